@@ -1,0 +1,103 @@
+"""NumPy reference implementation of the 2-bit scheme: the oracle the tests compare against.
+
+Written for clarity, not speed: it follows MXNet's ``quantize_2bit`` / ``dequantize_2bit`` kernels
+value by value in float32, so its bits are MXNet's bits.
+"""
+
+import numpy as np
+
+from . import wire
+
+_SHIFTS = np.array([6, 4, 2, 0], dtype=np.uint8)
+
+
+def quantize(grad, residual, threshold):
+    """One step of error feedback on float32 arrays: r += g; q = ternary(r); r -= q.
+
+    Updates ``residual`` in place and returns the codes (uint8, one per value: 0, 2 or 3)."""
+    t = np.float32(threshold)
+    g = np.asarray(grad, dtype=np.float32).reshape(-1)
+    r = residual.reshape(-1)
+    assert r.dtype == np.float32
+    r += g
+    pos = r >= t
+    neg = r <= -t
+    codes = np.zeros(r.shape, dtype=np.uint8)
+    codes[pos] = wire.CODE_POS
+    codes[neg] = wire.CODE_NEG
+    r[pos] -= t
+    r[neg] -= -t
+    return codes
+
+
+def pack(codes):
+    """Packs 2-bit codes into int32 words in MXNet's layout."""
+    n = codes.size
+    padded = np.zeros(wire.num_words(n) * 16, dtype=np.uint8)
+    padded[:n] = codes
+    quads = padded.reshape(-1, 4)
+    byts = (quads << _SHIFTS).sum(axis=1).astype(np.uint8)
+    return byts.view(np.int32).copy()
+
+
+def unpack(words, numel):
+    """The codes (uint8) of the first ``numel`` values of packed ``words``."""
+    byts = np.ascontiguousarray(words, dtype=np.int32).view(np.uint8)
+    codes = (byts[:, None] >> _SHIFTS) & 3
+    return codes.reshape(-1)[:numel]
+
+
+def encode(grad, residual, threshold):
+    """Quantizes with error feedback and packs: returns int32 words, updates ``residual``."""
+    return pack(quantize(grad, residual, threshold))
+
+
+def decode(words, numel, threshold):
+    """float32 values of packed words: +t for ``11``, -t for ``10``, 0 otherwise."""
+    t = np.float32(threshold)
+    codes = unpack(words, numel)
+    out = np.zeros(numel, dtype=np.float32)
+    out[codes == wire.CODE_POS] = t
+    out[codes == wire.CODE_NEG] = -t
+    return out
+
+
+def aggregate(decoded, op="average", prescale=1.0, postscale=1.0):
+    """Sums decoded float32 arrays in rank order, then applies the op as the communicator does:
+    divide by the number of ranks for ``average``, then multiply by prescale * postscale when that
+    product is not 1."""
+    out = np.zeros_like(decoded[0], dtype=np.float32)
+    for d in decoded:
+        out += d
+    if op == "average":
+        out /= np.float32(len(decoded))
+    scale = float(prescale) * float(postscale)
+    if scale != 1.0:
+        out *= np.float32(scale)
+    return out
+
+
+class Workers:
+    """N simulated workers with one residual per tensor name each: what N ranks of the real
+    communicator compute, step by step."""
+
+    def __init__(self, nranks, threshold):
+        self.nranks = nranks
+        self.threshold = threshold
+        self.residuals = [dict() for _ in range(nranks)]
+
+    def allreduce(self, name, grads, op="average", prescale=1.0, postscale=1.0):
+        """``grads``: one array per rank. Returns the aggregated float32 array (same shape)."""
+        shape = np.shape(grads[0])
+        flat = [np.asarray(g, dtype=np.float32).reshape(-1) for g in grads]
+        if not all(np.isfinite(g).all() for g in flat):
+            # A non-finite gradient anywhere: every rank gets NaN, no residual changes.
+            for rank, g in enumerate(flat):
+                self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
+            return np.full(shape, np.nan, dtype=np.float32)
+        decoded = []
+        for rank, g in enumerate(flat):
+            r = self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
+            words = encode(g, r, self.threshold)
+            decoded.append(decode(words, g.size, self.threshold))
+        return aggregate(decoded, op, prescale, postscale).reshape(shape)

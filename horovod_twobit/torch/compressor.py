@@ -1,0 +1,121 @@
+"""``TwoBitCompressor``: MXNet's 2-bit compression with error feedback, as a Horovod compressor."""
+
+import threading
+import warnings
+
+import torch
+
+from horovod.torch.compression import Compressor
+
+from .. import wire
+from ..registry import ResidualRegistry
+
+_MARK = "_horovod_twobit"
+
+
+class _Pending:
+    """The context ``compress`` hands to Horovod; the router marks it when it takes the tensor."""
+
+    __slots__ = ("compressor", "routed")
+
+    def __init__(self, compressor):
+        self.compressor = compressor
+        self.routed = False
+
+
+def _to_state(r):
+    return r.detach().to("cpu", copy=True)
+
+
+def _from_state(value, like):
+    return like.copy_(torch.as_tensor(value).reshape(like.shape))
+
+
+class TwoBitCompressor(Compressor):
+    """2-bit gradient compression with error feedback (MXNet's ``{'type': '2bit'}``).
+
+    What it does: for every tensor name it keeps a float32 residual r. Each step, r <- r + g; values
+    with r >= t are sent as +t (code ``11``), values with r <= -t as -t (code ``10``), all others as
+    0 (``00``); then r <- r - q. Sixteen values travel in one 32-bit word. Ranks allgather their
+    payloads and every rank decodes and sums all of them, so nothing is lost, only delayed: what
+    was not sent this step stays in the residual until it has grown past the threshold.
+
+    Why: the bytes on the wire drop 16-fold, which speeds up communication-bound training (large
+    fully connected layers, slow networks) at the cost of delaying small updates.
+
+    Trade-offs: an extra float32 residual per tensor (the memory of the gradients once more); the
+    allgather costs each rank N payloads, so traffic grows with the number of workers; the
+    threshold must match the gradients' scale (MXNet's default 0.5 suits plain SGD with gradients
+    of order 0.1-1; a threshold far above them delays every update).
+
+    Use it as ``hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+    compression=TwoBitCompressor(0.5))`` or ``hvd.allreduce(t, name='t',
+    compression=TwoBitCompressor(0.5))``. Creating one installs a small router around Horovod's
+    allreduce entry points (see :func:`horovod_twobit.torch.install`) that sends these payloads to
+    allgather + decode + sum and leaves every other tensor untouched.
+
+    Args:
+        threshold: a positive number (MXNet's default 0.5).
+    """
+
+    def __init__(self, threshold=0.5):
+        self.threshold = wire.validate_threshold(threshold)
+        if self.threshold == "auto":
+            raise NotImplementedError("threshold='auto' is not available yet; pass a number")
+        self.residuals = ResidualRegistry(
+            zeros_like=lambda g: torch.zeros(g.shape, dtype=torch.float32, device=g.device),
+            numel=lambda r: r.numel(), to_state=_to_state, from_state=_from_state)
+        self._warned = threading.Event()
+        from . import _routing
+        _routing.install()
+
+    def __repr__(self):
+        return "TwoBitCompressor(threshold=%r)" % (self.threshold,)
+
+    def compress(self, tensor):
+        """Marks a floating-point tensor for 2-bit exchange; others pass through unchanged.
+
+        The returned tensor is an alias of the input (no copy): the encoding needs the tensor's
+        name, which Horovod gives only to the allreduce that follows."""
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            return tensor, None
+        if tensor.is_sparse:
+            raise ValueError("TwoBitCompressor cannot compress sparse gradients: pass "
+                             "sparse_as_dense=True to hvd.DistributedOptimizer")
+        alias = tensor.view_as(tensor)
+        ctx = _Pending(self)
+        setattr(alias, _MARK, ctx)
+        return alias, ctx
+
+    def decompress(self, tensor, ctx):
+        """Returns the aggregated tensor (the router already decoded it into the gradient's dtype)."""
+        if isinstance(ctx, _Pending) and not ctx.routed and not self._warned.is_set():
+            self._warned.set()
+            warnings.warn("horovod-twobit: a TwoBitCompressor tensor went through an ordinary "
+                          "allreduce, uncompressed (its result is correct). Call "
+                          "horovod_twobit.torch.install() if you uninstalled the router.")
+        return tensor
+
+    def state_dict(self):
+        """The residuals (CPU copies), keyed by tensor name, with the threshold they belong to."""
+        return {"format_version": wire.FORMAT_VERSION, "threshold": self.threshold,
+                "residuals": self.residuals.state_dict()}
+
+    def load_state_dict(self, state):
+        """Restores residuals saved by :meth:`state_dict`; each is moved to its gradient's device
+        on first use."""
+        if not isinstance(state, dict) or "residuals" not in state:
+            raise ValueError("not a TwoBitCompressor state_dict: expected a dict with 'residuals'")
+        if state.get("threshold") != self.threshold:
+            warnings.warn("horovod-twobit: restoring residuals saved with threshold %r into a "
+                          "compressor with threshold %r" % (state.get("threshold"), self.threshold))
+        self.residuals.load_state_dict(state["residuals"])
+
+    def reset(self):
+        """Forgets every residual (they restart from zero)."""
+        self.residuals.reset()
+
+
+def pending_of(tensor):
+    """The compressor's context if ``tensor`` came from ``TwoBitCompressor.compress``, else None."""
+    return getattr(tensor, _MARK, None) if isinstance(tensor, torch.Tensor) else None

@@ -1,0 +1,161 @@
+"""The 2-bit wire format, shared by every binding.
+
+Codes follow MXNet: ``11`` is +t, ``10`` is -t, ``00`` is 0 (``01`` is never written and decodes
+to 0, as in MXNet). Sixteen values fill one 32-bit word; byte k of a word (in memory order) holds
+values 4k..4k+3 of that block, the first of them in the byte's two highest bits. n values take
+exactly ceil(n / 16) words and the unused codes of the last word are ``00``.
+
+A payload on the wire is a header of :data:`HEADER_WORDS` int32 words followed by the packed words:
+
+====  ==========================================================================
+word  meaning
+====  ==========================================================================
+0     ``MAGIC << 16 | FORMAT_VERSION``
+1     flags: :data:`FLAG_NONFINITE` (the sender's gradient held NaN or Inf),
+      :data:`FLAG_AUTO` (the threshold was chosen by the sender)
+2, 3  numel, low and high 32 bits
+4     the threshold the sender used, as float32 bits
+====  ==========================================================================
+"""
+
+import math
+import struct
+
+MAGIC = 0x3242  # "2B"
+FORMAT_VERSION = 1
+HEADER_WORDS = 5
+VALUES_PER_WORD = 16
+
+FLAG_NONFINITE = 1
+FLAG_AUTO = 2
+
+CODE_ZERO = 0b00
+CODE_NEG = 0b10
+CODE_POS = 0b11
+
+
+def num_words(numel):
+    """Packed words for ``numel`` values: ceil(numel / 16)."""
+    return (int(numel) + VALUES_PER_WORD - 1) // VALUES_PER_WORD
+
+
+def payload_bytes(numel):
+    """Bytes one rank sends for a tensor of ``numel`` values, header included."""
+    return 4 * (HEADER_WORDS + num_words(numel))
+
+
+def float_bits(x):
+    """The float32 bit pattern of ``x`` as a signed int32."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def bits_float(i):
+    """The float32 whose bit pattern is the signed int32 ``i``."""
+    return struct.unpack("<f", struct.pack("<i", int(i)))[0]
+
+
+def make_header(numel, threshold, flags=0):
+    """The header words (a list of Python ints) for a payload of ``numel`` values."""
+    numel = int(numel)
+    lo = numel & 0xFFFFFFFF
+    hi = numel >> 32
+    as_i32 = lambda u: u - (1 << 32) if u >= (1 << 31) else u  # noqa: E731
+    return [(MAGIC << 16) | FORMAT_VERSION, int(flags), as_i32(lo), as_i32(hi), float_bits(threshold)]
+
+
+class PayloadMismatchError(RuntimeError):
+    """Ranks sent payloads that cannot be summed: different sizes, thresholds or formats."""
+
+
+class Header:
+    """A parsed payload header."""
+
+    __slots__ = ("version", "flags", "numel", "threshold")
+
+    def __init__(self, words):
+        w = [int(x) & 0xFFFFFFFF for x in words]
+        if (w[0] >> 16) != MAGIC:
+            raise PayloadMismatchError(
+                "received a payload that is not a horovod-twobit payload (bad magic word 0x%08x): "
+                "every rank must use TwoBitCompressor for the same tensors" % w[0])
+        self.version = w[0] & 0xFFFF
+        self.flags = w[1]
+        self.numel = w[2] | (w[3] << 32)
+        self.threshold = bits_float(words[4])
+
+    @property
+    def nonfinite(self):
+        return bool(self.flags & FLAG_NONFINITE)
+
+    @property
+    def auto(self):
+        return bool(self.flags & FLAG_AUTO)
+
+
+def split_gathered(flat_words, nranks, name):
+    """Parses an allgathered int32 buffer (a sequence of Python ints or a 1-D array) into
+    ``nranks`` (header, start, stop) triples, where ``flat_words[start:stop]`` are that rank's packed
+    words. Raises :class:`PayloadMismatchError`, with the same message on every rank, when the ranks
+    disagree on anything that makes the sum meaningless."""
+    out, off = [], 0
+    total = len(flat_words)
+    for rank in range(nranks):
+        if off + HEADER_WORDS > total:
+            raise PayloadMismatchError(
+                "tensor %r: the gathered buffer ends before rank %d's header; ranks sent payloads of "
+                "different sizes: the tensor must have the same number of elements on every rank"
+                % (name, rank))
+        h = Header(flat_words[off:off + HEADER_WORDS])
+        start = off + HEADER_WORDS
+        stop = start + num_words(h.numel)
+        out.append((h, start, stop))
+        off = stop
+    if off != total:
+        raise PayloadMismatchError(
+            "tensor %r: the gathered buffer holds %d words, the headers account for %d; ranks sent "
+            "payloads of different sizes" % (name, total, off))
+    check_headers([h for h, _, _ in out], name)
+    return out
+
+
+def check_headers(headers, name):
+    """Raises :class:`PayloadMismatchError` unless all ranks' headers agree."""
+    versions = [h.version for h in headers]
+    if len(set(versions)) != 1 or versions[0] != FORMAT_VERSION:
+        raise PayloadMismatchError(
+            "tensor %r: ranks use payload format versions %s, this rank understands %d: install the "
+            "same horovod-twobit version on every host" % (name, versions, FORMAT_VERSION))
+    sizes = [h.numel for h in headers]
+    if len(set(sizes)) != 1:
+        raise PayloadMismatchError(
+            "tensor %r: ranks sent tensors of different sizes %s (by rank): the tensor must have the "
+            "same number of elements on every rank" % (name, sizes))
+    autos = [h.auto for h in headers]
+    if len(set(autos)) != 1:
+        raise PayloadMismatchError(
+            "tensor %r: some ranks use threshold='auto' and others a fixed threshold %s: construct "
+            "TwoBitCompressor with the same threshold on every rank" % (name, autos))
+    if not autos[0]:
+        ts = [h.threshold for h in headers]
+        if len(set(float_bits(t) for t in ts)) != 1:
+            raise PayloadMismatchError(
+                "tensor %r: ranks use different thresholds %s (by rank): construct TwoBitCompressor "
+                "with the same threshold on every rank" % (name, ts))
+
+
+def validate_threshold(threshold):
+    """Returns the threshold as a float (or the string ``"auto"``), or raises a clear error."""
+    if isinstance(threshold, str):
+        if threshold == "auto":
+            return threshold
+        raise ValueError("threshold must be a positive number or the string 'auto', got %r" % (threshold,))
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) and not hasattr(threshold, "__float__"):
+        raise ValueError("threshold must be a positive number or the string 'auto', got %r" % (threshold,))
+    t = float(threshold)
+    if not math.isfinite(t) or t <= 0:
+        raise ValueError("threshold must be a positive, finite number (MXNet's default is 0.5), got %r"
+                         % (threshold,))
+    t32 = bits_float(float_bits(t))
+    if t32 <= 0 or not math.isfinite(t32):
+        raise ValueError("threshold %r is not representable as a positive float32" % (threshold,))
+    return t

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Sets up everything horovod-twobit needs, from a fresh Debian 12 machine with Python >= 3.10:
+# Debian packages, a virtual environment in .venv/, PyTorch 2.13.0 (CPU), TensorFlow 2.15.1 (CPU),
+# mpi4py built against the system's OpenMPI, Horovod 0.28.1 built from its sdist (patched from C++14
+# to C++17 so it compiles against torch >= 2.1) and this package in editable mode.
+#
+# The Horovod wheel is cached under $HOROVOD_TWOBIT_CACHE (default ~/.cache/horovod-twobit), keyed by
+# every version it was built against, so a rerun with nothing changed takes well under a minute.
+#
+# Environment:
+#   HOROVOD_TWOBIT_CACHE        where built wheels are kept
+#   HOROVOD_TWOBIT_VENV         the virtual environment (default: <repo>/.venv)
+#   HOROVOD_TWOBIT_TORCH_INDEX  an extra package index holding torch's CPU wheels (the Docker image
+#                               sets it; pip's configured find-links serve them on the project's machines)
+#   PYTHON                      the interpreter to build the venv from (default: python3)
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HOROVOD_TWOBIT_VENV:-$REPO/.venv}"
+CACHE="${HOROVOD_TWOBIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/horovod-twobit}"
+PYTHON="${PYTHON:-python3}"
+LOG_DIR="$REPO/build"
+LOG="$LOG_DIR/setup.log"
+
+HOROVOD_VERSION=0.28.1
+TORCH_VERSION=2.13.0
+TF_VERSION=2.15.1
+APT_PACKAGES=(libopenmpi-dev openmpi-bin cmake g++ make openssh-client openssh-server iproute2)
+PY_PACKAGES=("torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" "numpy<2" "scikit-learn"
+             "pytest" "pytest-timeout" "matplotlib" "setuptools>=68" "wheel"
+             "cloudpickle" "psutil" "pyyaml" "packaging" "cffi>=1.4.0")
+
+mkdir -p "$LOG_DIR" "$CACHE"
+: >"$LOG"
+T0=$(date +%s)
+stage() { printf '[setup %4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; echo "=== $* ===" >>"$LOG"; }
+fail() {
+  echo "[setup] FAILED: $1" >&2
+  echo "[setup] last lines of $LOG:" >&2
+  tail -n 40 "$LOG" >&2 || true
+  echo "[setup] what to do: $2" >&2
+  exit 1
+}
+run() { "$@" >>"$LOG" 2>&1; }
+
+# ---------------------------------------------------------------- Debian packages
+stage "checking Debian packages: ${APT_PACKAGES[*]}"
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  [ "$(id -u)" = 0 ] || fail "missing Debian packages: ${missing[*]}" \
+    "run as root, or: sudo apt-get install -y ${missing[*]}"
+  stage "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  run apt-get update || fail "apt-get update" "check the machine reaches Debian's mirrors"
+  run apt-get install -y --no-install-recommends "${missing[@]}" \
+    || fail "apt-get install ${missing[*]}" "install them by hand and rerun"
+fi
+
+# ---------------------------------------------------------------- virtual environment
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || fail "$PYTHON is older than 3.10" "set PYTHON to a Python >= 3.10 interpreter"
+if [ ! -x "$VENV/bin/python" ]; then
+  stage "creating virtual environment $VENV"
+  run "$PYTHON" -m venv "$VENV" || fail "python -m venv" "install python3-venv"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install --disable-pip-version-check)
+[ -n "${HOROVOD_TWOBIT_TORCH_INDEX:-}" ] && PIP+=(--extra-index-url "$HOROVOD_TWOBIT_TORCH_INDEX")
+
+stage "installing Python packages (torch $TORCH_VERSION CPU, tensorflow-cpu $TF_VERSION, ...)"
+run "${PIP[@]}" "${PY_PACKAGES[@]}" \
+  || fail "pip install of the Python packages" "read $LOG; pip's index must serve torch==$TORCH_VERSION (CPU)"
+if ! "$PY" -c 'import mpi4py' >/dev/null 2>&1; then
+  stage "building mpi4py against the system's OpenMPI"
+  run env MPICC=mpicc "${PIP[@]}" --no-binary mpi4py "mpi4py>=3.1,<5" \
+    || fail "mpi4py build" "check that mpicc (libopenmpi-dev) works"
+fi
+
+# ---------------------------------------------------------------- Horovod
+torch_v=$("$PY" -c 'import torch; print(torch.__version__)')
+tf_v=$("$PY" -c 'import os; os.environ["TF_CPP_MIN_LOG_LEVEL"]="3"; import tensorflow as tf; print(tf.__version__)' 2>/dev/null)
+py_v=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+ompi_v=$(dpkg-query -W -f='${Version}' libopenmpi-dev 2>/dev/null || echo unknown)
+PATCH_ID=cxx17-v1
+KEY="horovod-$HOROVOD_VERSION-$PATCH_ID-py$py_v-torch$torch_v-tf$tf_v-ompi$ompi_v-$(uname -m)"
+KEY="${KEY//[^A-Za-z0-9._+-]/_}"
+WHEEL_DIR="$CACHE/wheels/$KEY"
+
+installed_hvd=$("$PY" -c 'import importlib.metadata as m; print(m.version("horovod"))' 2>/dev/null || true)
+stamp="$VENV/.horovod-twobit-horovod-key"
+if [ "$installed_hvd" = "$HOROVOD_VERSION" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$KEY" ]; then
+  stage "horovod $HOROVOD_VERSION already installed ($KEY)"
+else
+  if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+    stage "building horovod $HOROVOD_VERSION (about 12 minutes on 2 cores; log: $LOG)"
+    SRC=$(mktemp -d)
+    trap 'rm -rf "$SRC"' EXIT
+    run "$PY" -m pip download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$SRC" \
+      || fail "download of the horovod $HOROVOD_VERSION sdist" "check the machine reaches PyPI"
+    tar xzf "$SRC"/horovod-"$HOROVOD_VERSION".tar.gz -C "$SRC"
+    HSRC="$SRC/horovod-$HOROVOD_VERSION"
+    # torch >= 2.1 headers need C++17; Horovod 0.28.1 asks for C++14 in two places.
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+      "$HSRC/CMakeLists.txt" "$HSRC/horovod/torch/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 14' "$HSRC/CMakeLists.txt" "$HSRC/horovod/torch/CMakeLists.txt" \
+      && fail "patching horovod's CMake files" "the sdist changed; update the sed in $0"
+    mkdir -p "$WHEEL_DIR.tmp"
+    run env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
+        HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1 \
+        MAKEFLAGS="-j$(nproc)" \
+        "$PY" -m pip wheel --no-deps --no-build-isolation -w "$WHEEL_DIR.tmp" "$HSRC" \
+      || fail "horovod build" "read $LOG (compiler errors are near its end)"
+    rm -rf "$WHEEL_DIR" && mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
+    stage "horovod wheel cached in $WHEEL_DIR"
+  fi
+  stage "installing horovod from $WHEEL_DIR"
+  run "${PIP[@]}" --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl \
+    || fail "install of the horovod wheel" "delete $WHEEL_DIR and rerun to rebuild it"
+  echo "$KEY" >"$stamp"
+fi
+
+# ---------------------------------------------------------------- this package
+if ! "$PY" -c 'import horovod_twobit, sys; sys.exit(not horovod_twobit.__file__.startswith(sys.argv[1]))' "$REPO" >/dev/null 2>&1; then
+  stage "installing horovod-twobit in editable mode"
+  run "${PIP[@]}" --no-deps --no-build-isolation -e "$REPO" || fail "pip install -e ." "read $LOG"
+fi
+
+# ---------------------------------------------------------------- check
+stage "checking horovodrun --check-build"
+out=$("$VENV/bin/horovodrun" --check-build 2>&1) || fail "horovodrun --check-build" "read its output above"
+echo "$out" >>"$LOG"
+for fw in TensorFlow PyTorch MPI Gloo; do
+  echo "$out" | grep -qE "\[X\] $fw\b" || { echo "$out"; fail "horovod was built without $fw" "delete $WHEEL_DIR and rerun"; }
+done
+stage "ready: $VENV (horovod $HOROVOD_VERSION, torch $torch_v, tensorflow $tf_v)"

@@ -1,0 +1,37 @@
+"""Replays what ranks saved against the NumPy N-worker simulation."""
+
+import glob
+import os
+
+import numpy as np
+
+from horovod_twobit import reference as ref
+
+
+def load_ranks(out_dir, nranks):
+    files = sorted(glob.glob(os.path.join(out_dir, "rank*.npz")))
+    assert len(files) == nranks, "expected %d rank files, found %s" % (nranks, files)
+    return [dict(np.load(os.path.join(out_dir, "rank%d.npz" % r))) for r in range(nranks)]
+
+
+def check_training(ranks, threshold, steps, op="average", dtype=np.float32):
+    """Every rank's aggregated gradients equal the simulation's, bit for bit (after the cast to
+    the gradients' dtype), and final weights are identical on all ranks."""
+    sim = ref.Workers(len(ranks), threshold)
+    names = sorted({k.split("/", 2)[2] for k in ranks[0] if k.startswith("agg/0/")})
+    assert names
+    nonzero = 0
+    for step in range(steps):
+        for n in names:
+            want = sim.allreduce(n, [r["local/%d/%s" % (step, n)] for r in ranks], op=op)
+            want = want.astype(dtype).astype(np.float32)
+            nonzero += int(np.count_nonzero(want))
+            for rank, r in enumerate(ranks):
+                got = r["agg/%d/%s" % (step, n)]
+                np.testing.assert_array_equal(
+                    got, want, err_msg="rank %d, step %d, tensor %s" % (rank, step, n))
+    assert nonzero > 0, "nothing was ever sent: the test would not see a wrong decode"
+    for n in names:
+        for r in ranks[1:]:
+            np.testing.assert_array_equal(r["w/" + n], ranks[0]["w/" + n])
+    return sim

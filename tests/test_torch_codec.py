@@ -1,0 +1,80 @@
+"""The torch codec against the NumPy reference, bit for bit."""
+
+import numpy as np
+import pytest
+import torch
+
+from horovod_twobit import reference as ref
+from horovod_twobit.torch import decode, encode
+
+SIZES = [0, 1, 15, 16, 17, 1000, 2 ** 20 + 3]
+THRESHOLDS = [0.5, 0.1, 1e-3]
+
+
+def _grads(n, t, steps, seed):
+    rng = np.random.default_rng(seed)
+    # a mix of values far below, near and far above the threshold
+    return [(rng.standard_normal(n) * t * rng.choice([0.1, 0.7, 3.0], n)).astype(np.float32)
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("t", THRESHOLDS)
+def test_encode_decode_match_reference(n, t):
+    r_ref = np.zeros(n, np.float32)
+    r = torch.zeros(n)
+    for g in _grads(n, t, 3, n):
+        want = ref.encode(g, r_ref, t)
+        got = encode(torch.from_numpy(g), r, t)
+        assert got.dtype == torch.int32 and got.shape == (-(-n // 16),)
+        np.testing.assert_array_equal(got.numpy(), want)
+        np.testing.assert_array_equal(r.numpy().view(np.int32), r_ref.view(np.int32))
+        dec = decode(got, n, t)
+        assert dec.dtype == torch.float32 and dec.shape == (n,)
+        np.testing.assert_array_equal(dec.numpy(), ref.decode(want, n, t))
+
+
+def test_layout_example():
+    words = encode(torch.tensor([0.5, -0.5, 0.0, 0.7]), torch.zeros(4), 0.5)
+    assert words.view(torch.uint8).tolist() == [0xE3, 0, 0, 0]
+
+
+def test_residual_any_shape_and_half_precision():
+    g = torch.randn(3, 5, dtype=torch.float16)
+    r = torch.zeros(3, 5)
+    r_ref = np.zeros(15, np.float32)
+    want = ref.encode(g.float().numpy().reshape(-1), r_ref, 0.5)
+    np.testing.assert_array_equal(encode(g, r, 0.5).numpy(), want)
+    np.testing.assert_array_equal(r.numpy().reshape(-1), r_ref)
+
+
+def test_non_contiguous_grad():
+    base = torch.randn(8, 6)
+    g = base.t()  # non-contiguous
+    r = torch.zeros(6, 8)
+    r_ref = np.zeros(48, np.float32)
+    want = ref.encode(g.contiguous().numpy().reshape(-1), r_ref, 0.1)
+    np.testing.assert_array_equal(encode(g, r, 0.1).numpy(), want)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="positive"):
+        encode(torch.zeros(3), torch.zeros(3), -1)
+    with pytest.raises(TypeError, match="float32"):
+        encode(torch.zeros(3), torch.zeros(3, dtype=torch.float64), 0.5)
+    with pytest.raises(ValueError, match="values"):
+        encode(torch.zeros(3), torch.zeros(4), 0.5)
+    with pytest.raises(TypeError, match="floating-point"):
+        encode(torch.zeros(3, dtype=torch.int32), torch.zeros(3), 0.5)
+    with pytest.raises(ValueError, match="words"):
+        decode(torch.zeros(2, dtype=torch.int32), 40, 0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    g = torch.randn(100003)
+    r1, r2 = torch.zeros(100003), torch.zeros(100003, device="cuda")
+    w1 = encode(g, r1, 0.5)
+    w2 = encode(g.cuda(), r2, 0.5)
+    assert torch.equal(w1, w2.cpu()) and torch.equal(r1, r2.cpu())
+    assert torch.equal(decode(w1, 100003, 0.5), decode(w2, 100003, 0.5).cpu())

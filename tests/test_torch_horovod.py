@@ -1,0 +1,70 @@
+"""TwoBitCompressor through Horovod's own, unmodified DistributedOptimizer, in real horovodrun jobs."""
+
+import numpy as np
+import pytest
+
+import jobs
+import sim
+from horovod_twobit import reference as ref
+
+
+def _train(tmp_path, np_, *args, mpi=False):
+    jobs.run(np_, "torch_train.py", "--out", tmp_path, *args, mpi=mpi)
+    return sim.load_ranks(str(tmp_path), np_)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_optimizer_matches_simulation(tmp_path, np_):
+    ranks = _train(tmp_path, np_, "--steps", 20, "--threshold", 0.5)
+    sim.check_training(ranks, 0.5, 20)
+    # an ordinary allreduce in the same job is exact
+    want = sum(np.arange(10, dtype=np.float32) * (r + 1) + np.float32(0.001) for r in range(np_))
+    for r in ranks:
+        np.testing.assert_array_equal(r["plain"], want.astype(np.float32))
+    # hvd.allreduce(..., compression=TwoBitCompressor) keeps its own residual under its name
+    w = ref.Workers(np_, 0.5)
+    for i in range(2):
+        expect = w.allreduce("direct", [r["direct_in/%d" % i] for r in ranks])
+        for r in ranks:
+            np.testing.assert_array_equal(r["direct_out/%d" % i], expect)
+    assert "direct" in list(ranks[0]["residual_names"])
+
+
+def test_backward_passes_per_step_and_groups(tmp_path):
+    ranks = _train(tmp_path, 2, "--steps", 12, "--threshold", 0.1, "--bpps", 2, "--groups", 2)
+    sim.check_training(ranks, 0.1, 12)
+
+
+def test_sum_op_without_names(tmp_path):
+    ranks = _train(tmp_path, 2, "--steps", 8, "--op", "sum", "--no-names")
+    sim.check_training(ranks, 0.5, 8, op="sum")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_gradients(tmp_path, dtype):
+    ranks = _train(tmp_path, 2, "--steps", 6, "--dtype", dtype)
+    import torch
+    npdt = {"float16": np.float16}.get(dtype)
+    if npdt is None:  # numpy has no bfloat16: compare after torch's own cast
+        def cast(a):
+            return torch.from_numpy(a).to(torch.bfloat16).float().numpy()
+        sim_w = ref.Workers(2, 0.5)
+        for step in range(6):
+            for n in ("0.weight", "0.bias", "2.weight", "2.bias"):
+                want = cast(sim_w.allreduce(n, [r["local/%d/%s" % (step, n)] for r in ranks]))
+                for r in ranks:
+                    np.testing.assert_array_equal(r["agg/%d/%s" % (step, n)], want)
+    else:
+        sim.check_training(ranks, 0.5, 6, dtype=npdt)
+
+
+def test_mpi_controller(tmp_path):
+    ranks = _train(tmp_path, 2, "--steps", 5, mpi=True)
+    sim.check_training(ranks, 0.5, 5)
+
+
+def test_state_dict_round_trip():
+    res = jobs.run(2, "torch_state.py", "unused")
+    for rank in range(2):
+        assert ("rank %d same=True without_residuals_differs=True nonzero_residual=True" % rank
+                in res.output), res

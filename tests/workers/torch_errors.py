@@ -1,0 +1,61 @@
+"""Each case must raise the documented error on every rank, quickly, with no hang."""
+
+import sys
+import time
+
+import torch
+
+import horovod.torch as hvd
+from horovod_twobit.torch import PayloadMismatchError, TwoBitCompressor
+
+case = sys.argv[1]
+hvd.init()
+rank = hvd.rank()
+t0 = time.time()
+
+
+def model_opt(compression, **kw):
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    return m, hvd.DistributedOptimizer(opt, named_parameters=m.named_parameters(),
+                                       compression=compression, **kw)
+
+
+try:
+    if case == "threshold":
+        c = TwoBitCompressor(0.5 if rank == 0 else 0.25)
+        hvd.allreduce(torch.ones(40), name="x", compression=c)
+    elif case == "size":
+        hvd.allreduce(torch.ones(40 + 20 * rank), name="x", compression=TwoBitCompressor(0.5))
+    elif case == "size_same_words":
+        hvd.allreduce(torch.ones(33 + rank), name="x", compression=TwoBitCompressor(0.5))
+    elif case == "noname":
+        hvd.allreduce(torch.ones(4), compression=TwoBitCompressor(0.5))
+    elif case == "class":
+        hvd.allreduce(torch.ones(4), name="x", compression=TwoBitCompressor)
+    elif case == "op":
+        hvd.allreduce(torch.ones(4), name="x", op=hvd.Max, compression=TwoBitCompressor(0.5))
+    elif case == "adasum":
+        model_opt(TwoBitCompressor(0.5), op=hvd.Adasum)
+    elif case == "sparse":
+        emb = torch.nn.Embedding(10, 4, sparse=True)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                       named_parameters=emb.named_parameters(),
+                                       compression=TwoBitCompressor(0.5))
+        emb(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+    elif case == "sparse_as_dense":
+        emb = torch.nn.Embedding(10, 4, sparse=True)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                       named_parameters=emb.named_parameters(),
+                                       compression=TwoBitCompressor(0.5), sparse_as_dense=True)
+        emb(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+        print("OK rank %d" % rank)
+        sys.exit(0)
+    else:
+        raise SystemExit("unknown case " + case)
+    print("NO ERROR rank %d" % rank)
+    sys.exit(1)
+except (PayloadMismatchError, ValueError, TypeError) as e:
+    print("RAISED rank %d after %.1fs: %s: %s" % (rank, time.time() - t0, type(e).__name__, e))
