@@ -123,7 +123,7 @@ else
 fi
 
 # ---------------------------------------------------------------- this package
-if ! "$PY" -c 'import horovod_twobit, sys; sys.exit(not horovod_twobit.__file__.startswith(sys.argv[1]))' "$REPO" >/dev/null 2>&1; then
+if ! (cd / && "$PY" -c 'import horovod_twobit, sys; sys.exit(not horovod_twobit.__file__.startswith(sys.argv[1]))' "$REPO") >/dev/null 2>&1; then
   stage "installing horovod-twobit in editable mode"
   run "${PIP[@]}" --no-deps --no-build-isolation -e "$REPO" || fail "pip install -e ." "read $LOG"
 fi

@@ -29,7 +29,8 @@ def job_env(extra=None):
         "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")]),
         "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "3",
-        "OMP_NUM_THREADS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30",
+        "OMP_NUM_THREADS": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "10",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30",
     })
     env.update(extra or {})
     return env

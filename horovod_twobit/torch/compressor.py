@@ -97,23 +97,45 @@ class TwoBitCompressor(Compressor):
         return tensor
 
     def state_dict(self):
-        """The residuals (CPU copies), keyed by tensor name, with the threshold they belong to."""
+        """This rank's residuals (CPU copies) keyed by tensor name, with the threshold, rank and
+        number of ranks they belong to. Residuals are per rank: save one file per rank."""
+        rank, size = _rank_size()
         return {"format_version": wire.FORMAT_VERSION, "threshold": self.threshold,
-                "residuals": self.residuals.state_dict()}
+                "rank": rank, "size": size, "residuals": self.residuals.state_dict()}
 
     def load_state_dict(self, state):
         """Restores residuals saved by :meth:`state_dict`; each is moved to its gradient's device
-        on first use."""
+        on first use.
+
+        A residual belongs to the rank that made it. If the state was saved by another rank or
+        with another number of ranks, the residuals restart from zero with a warning (what was
+        not yet sent is dropped: at most one threshold per value and rank)."""
         if not isinstance(state, dict) or "residuals" not in state:
             raise ValueError("not a TwoBitCompressor state_dict: expected a dict with 'residuals'")
         if state.get("threshold") != self.threshold:
             warnings.warn("horovod-twobit: restoring residuals saved with threshold %r into a "
                           "compressor with threshold %r" % (state.get("threshold"), self.threshold))
+        rank, size = _rank_size()
+        saved = (state.get("rank", rank), state.get("size", size))
+        if saved != (rank, size):
+            warnings.warn("horovod-twobit: residuals were saved by rank %d of %d, this is rank %d "
+                          "of %d; they restart from zero. Save compressor.state_dict() per rank to "
+                          "restore them exactly." % (saved[0], saved[1], rank, size))
+            self.residuals.reset()
+            return
         self.residuals.load_state_dict(state["residuals"])
 
     def reset(self):
         """Forgets every residual (they restart from zero)."""
         self.residuals.reset()
+
+
+def _rank_size():
+    import horovod.torch as hvd
+    try:
+        return hvd.rank(), hvd.size()
+    except ValueError:  # Horovod not initialized
+        return 0, 1
 
 
 def pending_of(tensor):

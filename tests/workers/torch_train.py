@@ -24,8 +24,9 @@ hvd.init()
 rank, size = hvd.rank(), hvd.size()
 dtype = getattr(torch, args.dtype)
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 6)).to(dtype)
-hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 6))
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # Horovod cannot broadcast bf16 on CPU
+model = model.to(dtype)
 names = {p: n for n, p in model.named_parameters()}
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 compressor = TwoBitCompressor(args.threshold)
