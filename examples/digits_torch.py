@@ -8,7 +8,6 @@ ratio; writes a PNG of both accuracy curves to the path it prints.
 
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
@@ -36,14 +35,14 @@ def payload_bytes(model, compression):
     return sum(wire.payload_bytes(n) for n in sizes)
 
 
-def progress(label, done, total, width=30):
-    if hvd.rank() == 0 and sys.stdout.isatty():
-        filled = int(width * done / total)
-        sys.stdout.write("\r  %-8s [%s%s] %d/%d" % (label, "#" * filled, "." * (width - filled), done, total))
-        sys.stdout.flush()
+def bar(done, total, width=20):
+    """A text progress bar (horovodrun forwards workers' output line by line, so it advances
+    once per printed line)."""
+    filled = int(round(width * done / total))
+    return "[%s%s] %3d%%" % ("#" * filled, "." * (width - filled), 100 * done // total)
 
 
-def train(label, compression, args):
+def train(label, compression, args, part):
     rank, size = hvd.rank(), hvd.size()
     xtr, ytr, xte, yte = data(rank, size)
     torch.manual_seed(args.seed)
@@ -65,16 +64,15 @@ def train(label, compression, args):
             loss = torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
             loss.backward()
             opt.step()
-            total += float(loss)
-            progress(label, s + 1, steps)
+            total += loss.item()
         with torch.no_grad():
             acc = float((model(xte).argmax(1) == yte).float().mean())
         loss = hvd.allreduce(torch.tensor(total / steps), name="epoch_loss").item()
         accs.append(acc)
         if rank == 0:
-            sys.stdout.write("\r" if sys.stdout.isatty() else "")
-            print("%-8s epoch %2d  loss %.4f  test acc %.4f  bytes/step/rank %9d  ratio %5.1fx"
-                  % (label, epoch, loss, acc, nbytes, payload_bytes(model, None) / nbytes))
+            print("%s %-6s epoch %2d  loss %.4f  test acc %.4f  bytes/step/rank %7d  ratio %4.1fx"
+                  % (bar(part * args.epochs + epoch, 2 * args.epochs), label, epoch, loss, acc,
+                     nbytes, payload_bytes(model, None) / nbytes), flush=True)
     return accs
 
 
@@ -91,8 +89,8 @@ def main():
     hvd.init()
     torch.set_num_threads(1)
     t0 = time.time()
-    base = train("fp32", None, args)
-    two = train("twobit", TwoBitCompressor(args.threshold), args)
+    base = train("fp32", None, args, 0)
+    two = train("twobit", TwoBitCompressor(args.threshold), args, 1)
     if hvd.rank() == 0:
         print("final test accuracy: uncompressed %.4f, TwoBit(%g) %.4f  (%.0fs, %d ranks)"
               % (base[-1], args.threshold, two[-1], time.time() - t0, hvd.size()))

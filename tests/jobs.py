@@ -50,7 +50,7 @@ def run(np_, script, *args, mpi=False, timeout=240, env=None, check=True):
     """Runs ``horovodrun -np N`` on localhost with Gloo (or MPI) and returns its Result."""
     cmd = [horovodrun(), "-np", str(np_), "-H", "localhost:%d" % np_]
     cmd += ["--mpi", "--mpi-args=--oversubscribe"] if mpi else ["--gloo"]
-    cmd += [sys.executable, os.path.join(WORKERS, script)] + [str(a) for a in args]
+    cmd += [sys.executable, os.path.join(WORKERS, script)] + [str(a) for a in args]  # absolute paths stay
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=job_env(env), start_new_session=True)

@@ -68,3 +68,13 @@ def test_state_dict_round_trip():
     for rank in range(2):
         assert ("rank %d same=True without_residuals_differs=True nonzero_residual=True" % rank
                 in res.output), res
+
+
+def test_demo_runs_and_plots(tmp_path):
+    import os
+    demo = os.path.join(os.path.dirname(jobs.HERE), "examples", "digits_torch.py")
+    png = tmp_path / "plot.png"
+    res = jobs.run(2, demo, "--epochs", 2, "--plot", png, timeout=300)
+    assert "twobit epoch  2" in res.output and "ratio 15.7x" in res.output, res
+    assert "final test accuracy" in res.output
+    assert png.exists() and png.stat().st_size > 1000
