@@ -78,3 +78,23 @@ def test_cuda_matches_cpu():
     w2 = encode(g.cuda(), r2, 0.5)
     assert torch.equal(w1, w2.cpu()) and torch.equal(r1, r2.cpu())
     assert torch.equal(decode(w1, 100003, 0.5), decode(w2, 100003, 0.5).cpu())
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path):
+    from horovod_twobit.torch import kernels
+    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    monkeypatch.setattr(kernels, "_disabled", False)
+    for n in (16, 1000, 4099):
+        r_ref, r = np.zeros(n, np.float32), torch.zeros(n)
+        for g in _grads(n, 0.1, 2, n):
+            want = ref.encode(g, r_ref, 0.1)
+            np.testing.assert_array_equal(encode(torch.from_numpy(g), r, 0.1).numpy(), want)
+            np.testing.assert_array_equal(r.numpy(), r_ref)
+            np.testing.assert_array_equal(decode(torch.from_numpy(want), n, 0.1).numpy(),
+                                          ref.decode(want, n, 0.1))
+        rows = [torch.from_numpy(ref.encode(g, np.zeros(n, np.float32), 0.1)) for g in _grads(n, 0.1, 3, 7)]
+        got = kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5)
+        want = ref.aggregate([ref.decode(w.numpy(), n, 0.1) for w in rows], "average", 0.5, 1.0)
+        np.testing.assert_array_equal(got.numpy(), want)
+    assert not kernels._disabled, "compilation failed and fell back to eager"

@@ -1,18 +1,11 @@
 """The 2-bit codec in torch ops: quantize with error feedback, pack, unpack. No state, no
-communication, no host round trip: the same code runs on CPU and CUDA tensors."""
+communication, no host round trip: the same code runs on CPU and CUDA tensors. The fused kernels
+live in :mod:`horovod_twobit.torch.kernels`."""
 
 import torch
 
 from .. import wire
-
-_SHIFTS = {}
-
-
-def _shifts(device):
-    s = _SHIFTS.get(device)
-    if s is None:
-        s = _SHIFTS[device] = torch.tensor([6, 4, 2, 0], dtype=torch.uint8, device=device)
-    return s
+from . import kernels
 
 
 def _check(grad, residual):
@@ -30,53 +23,29 @@ def _check(grad, residual):
                          % (residual.device, grad.device))
 
 
-def _flat32(grad):
+def _flat(grad):
+    """1-D view (or contiguous copy) of a gradient; float16/bfloat16 stay as they are (the kernels
+    convert exactly), float64 is rounded to float32 first."""
     g = grad.reshape(-1)
-    return g if g.dtype == torch.float32 else g.to(torch.float32)
-
-
-def _codes(x, t):
-    """uint8 codes of float32 values: 3 (11) where x >= t, 2 (10) where x <= -t, else 0."""
-    pos = x >= t
-    return (pos | (x <= -t)).to(torch.uint8).mul_(2).add_(pos.to(torch.uint8))
-
-
-def pack(codes):
-    """Packs 1-D uint8 codes (values 0..3) into int32 words in MXNet's layout."""
-    n = codes.numel()
-    nw = wire.num_words(n)
-    padded = torch.zeros(nw * 16, dtype=torch.uint8, device=codes.device)
-    padded[:n] = codes
-    q = padded.view(nw * 4, 4)
-    byts = (q[:, 0] << 6) | (q[:, 1] << 4) | (q[:, 2] << 2) | q[:, 3]
-    return byts.view(torch.int32)
-
-
-def unpack(words, numel):
-    """uint8 codes of the first ``numel`` values of 1-D int32 ``words``."""
-    byts = words.contiguous().view(torch.uint8)
-    codes = (byts.unsqueeze(1) >> _shifts(words.device)) & 3
-    return codes.reshape(-1)[:numel]
+    return g.to(torch.float32) if g.dtype == torch.float64 else g
 
 
 def quantize_pack(grad, residual, threshold):
-    """Packed words of ternary(residual + grad) without touching the residual (see :func:`commit`)."""
-    x = residual.reshape(-1) + _flat32(grad)
-    return pack(_codes(x, float(threshold)))
+    """(words, non-finite flag) for ternary(residual + grad), without touching the residual
+    (see :func:`commit`). ``residual`` must be contiguous."""
+    return kernels.pack(residual.view(-1), _flat(grad), threshold)
 
 
 def commit(grad, residual, threshold):
     """Applies one error-feedback step to ``residual`` in place: r <- (r + g) - q, with q the
     ternary value :func:`quantize_pack` sent for the same (grad, residual). The float32 operations
     are MXNet's, in its order, so the bits are MXNet's."""
-    t = float(threshold)
-    r = residual.view(-1) if residual.is_contiguous() else None
-    x = residual.reshape(-1) + _flat32(grad)
-    x = torch.where(x >= t, x - t, torch.where(x <= -t, x + t, x))
-    if r is not None:
-        r.copy_(x)
+    if residual.is_contiguous():
+        kernels.commit(residual.view(-1), _flat(grad), threshold)
     else:
-        residual.copy_(x.view_as(residual))
+        r = residual.reshape(-1).clone()
+        kernels.commit(r, _flat(grad), threshold)
+        residual.copy_(r.view_as(residual))
 
 
 def encode(grad, residual, threshold):
@@ -84,24 +53,17 @@ def encode(grad, residual, threshold):
 
     ``residual`` (float32, any shape with as many values as ``grad``, same device) is updated in
     place: r <- r + g; q = +t where r >= t, -t where r <= -t, else 0; r <- r - q. Returns the
-    1-D int32 words, ceil(numel / 16) of them. Gradients of other float dtypes are converted to
-    float32 before the add."""
+    1-D int32 words, ceil(numel / 16) of them. float64 gradients are rounded to float32 first."""
     t = wire.validate_threshold(threshold)
     if t == "auto":
         raise ValueError("encode() takes a numeric threshold; 'auto' is a TwoBitCompressor mode")
     _check(grad, residual)
-    words = quantize_pack(grad, residual, t)
-    commit(grad, residual, t)
+    r = residual if residual.is_contiguous() else residual.contiguous()
+    words, _ = quantize_pack(grad, r, t)
+    commit(grad, r, t)
+    if r is not residual:
+        residual.copy_(r)
     return words
-
-
-def decode_into(out, words, threshold):
-    """Adds the decoded values of ``words`` (codes for ``out.numel()`` values) to ``out``."""
-    t = float(threshold)
-    codes = unpack(words, out.numel())
-    out.add_(torch.where(codes == wire.CODE_POS, t, torch.where(codes == wire.CODE_NEG, -t, 0.0))
-             .to(out.dtype))
-    return out
 
 
 def decode(words, numel, threshold):
@@ -116,5 +78,4 @@ def decode(words, numel, threshold):
                         % (words.dtype, tuple(words.shape)))
     if words.numel() != wire.num_words(numel):
         raise ValueError("%d values need %d words, got %d" % (numel, wire.num_words(numel), words.numel()))
-    out = torch.zeros(numel, dtype=torch.float32, device=words.device)
-    return decode_into(out, words, t)
+    return kernels.decode_sum([words.contiguous()], [t], numel)

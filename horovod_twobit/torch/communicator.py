@@ -13,7 +13,7 @@ import torch
 import horovod.torch.mpi_ops as mpi_ops
 
 from .. import wire
-from . import codec
+from . import codec, kernels
 
 
 class Exchange:
@@ -40,28 +40,23 @@ class Exchange:
         self.scale = float(prescale) * float(postscale)
         self.nranks = process_set.size()
         self.in_place = in_place
-        n = tensor.numel()
-        g = tensor.reshape(-1)
-        words = codec.quantize_pack(g, self.residual, self.threshold)
-        header = torch.tensor(wire.make_header(n, self.threshold), dtype=torch.int32, device=g.device)
-        header[1] = (~torch.isfinite(g)).any().to(torch.int32) * wire.FLAG_NONFINITE
+        words, nonfinite = codec.quantize_pack(tensor, self.residual, self.threshold)
+        header = torch.tensor(wire.make_header(tensor.numel(), self.threshold), dtype=torch.int32,
+                              device=words.device)
+        header[1] = nonfinite.to(torch.int32) * wire.FLAG_NONFINITE
         self.payload = torch.cat([header, words])
 
     def finish(self, gathered):
         """Decodes and sums the gathered payloads; commits the residual; returns the result."""
         n = self.tensor.numel()
         parts = _split(gathered, n, self.nranks, self.name)
-        out = torch.zeros(n, dtype=torch.float32, device=self.tensor.device)
         if any(h.nonfinite for h, _ in parts):
-            out.fill_(float("nan"))
+            out = torch.full((n,), float("nan"), dtype=torch.float32, device=self.tensor.device)
         else:
-            for h, words in parts:
-                codec.decode_into(out, words, h.threshold)
+            divisor = self.nranks if self.op == mpi_ops.Average else 1
+            out = kernels.decode_sum([w for _, w in parts], [h.threshold for h, _ in parts], n,
+                                     divisor, self.scale)
             codec.commit(self.tensor, self.residual, self.threshold)
-            if self.op == mpi_ops.Average:
-                out.div_(self.nranks)
-            if self.scale != 1.0:
-                out.mul_(self.scale)
         result = out.view(self.tensor.shape).to(self.tensor.dtype)
         if self.in_place:
             self.tensor.copy_(result)

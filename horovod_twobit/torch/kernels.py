@@ -1,0 +1,155 @@
+"""Fused codec kernels: one pass over memory for each of pack, commit and decode-sum.
+
+The kernel bodies are plain torch ops. For tensors of at least ``COMPILE_MIN_NUMEL`` values they
+run through ``torch.compile`` (Inductor fuses each body into one loop on CPU and GPU); below that,
+or where compilation is unavailable or disabled (``HOROVOD_TWOBIT_COMPILE=0``), the same bodies
+run eagerly. Both paths give the same bits: the bodies use only exact float32 operations (add,
+compare, subtract a threshold, select) whose results do not depend on fusion.
+
+Compiled graphs are dynamic in the tensor length, so Inductor compiles once per (function, dtype,
+device, number of ranks), never per step. The threshold and divisor travel as 0-d tensors, so a
+new value does not recompile either.
+
+Extra memory per tensor: the float32 residual (persistent), the packed payload (n/4 bytes) and the
+gathered payloads (N * n/4 bytes) while a step is in flight; the eager path adds float32 and uint8
+temporaries of the tensor's size.
+"""
+
+import os
+import threading
+import warnings
+
+import torch
+
+from .. import wire
+
+COMPILE_MIN_NUMEL = int(os.environ.get("HOROVOD_TWOBIT_COMPILE_MIN_NUMEL", 1 << 16))
+_SHIFTS = {}
+_lock = threading.Lock()
+_compiled = {}
+_disabled = os.environ.get("HOROVOD_TWOBIT_COMPILE", "1") == "0"
+
+
+def _shifts(device):
+    s = _SHIFTS.get(device)
+    if s is None:
+        s = _SHIFTS[device] = torch.tensor([6, 4, 2, 0], dtype=torch.int32, device=device)
+    return s
+
+
+# ----------------------------------------------------------------- kernel bodies (m % 16 == 0)
+
+def _pack_body(r, g, t):
+    """Bytes (m/4 uint8) of ternary(r + g), and whether r + g held NaN or Inf."""
+    x = r + g.to(torch.float32)
+    pos = (x >= t).to(torch.int32)
+    c = ((x <= -t).to(torch.int32) | pos) * 2 + pos
+    c = c.view(-1, 4)
+    b = (c[:, 0] << 6) | (c[:, 1] << 4) | (c[:, 2] << 2) | c[:, 3]
+    return b.to(torch.uint8), ~torch.isfinite(x).all()
+
+
+def _commit_body(r, g, t):
+    """r <- (r + g) - q in place, q the ternary value of r + g."""
+    x = r + g.to(torch.float32)
+    r.copy_(torch.where(x >= t, x - t, torch.where(x <= -t, x + t, x)))
+
+
+def _decode_sum_body(rows, ts, shifts, divisor, scale):
+    """Sum over ranks, in rank order, of the decoded values of each row of bytes; then / divisor,
+    then * scale."""
+    out = None
+    for i in range(len(rows)):
+        c = (rows[i].to(torch.int32).unsqueeze(1) >> shifts) & 3
+        t = ts[i]
+        v = torch.where(c == 3, t, torch.where(c == 2, -t, torch.zeros_like(t))).reshape(-1)
+        out = v if out is None else out + v
+    return out / divisor * scale
+
+
+def _fn(name):
+    """The compiled body, or the eager one when compilation is off or failed."""
+    body = {"pack": _pack_body, "commit": _commit_body, "decode": _decode_sum_body}[name]
+    if _disabled:
+        return body
+    with _lock:
+        fn = _compiled.get(name)
+        if fn is None:
+            fn = _compiled[name] = torch.compile(body, dynamic=True)
+    return fn
+
+
+def _run(name, *args):
+    global _disabled
+    if not _disabled:
+        try:
+            return _fn(name)(*args)
+        except Exception as e:  # no compiler, unsupported device, ...: same bits, eagerly
+            _disabled = True
+            warnings.warn("horovod-twobit: torch.compile is unavailable (%s: %s); using the eager "
+                          "codec, which gives the same results more slowly" % (type(e).__name__, e))
+    return {"pack": _pack_body, "commit": _commit_body, "decode": _decode_sum_body}[name](*args)
+
+
+def _pick(numel):
+    return "compiled" if numel >= COMPILE_MIN_NUMEL and not _disabled else "eager"
+
+
+def _call(name, numel, *args):
+    if _pick(numel) == "compiled":
+        return _run(name, *args)
+    return {"pack": _pack_body, "commit": _commit_body, "decode": _decode_sum_body}[name](*args)
+
+
+# ----------------------------------------------------------------- public kernels
+
+def _t(value, device):
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def pack(r, g, threshold):
+    """(int32 words, non-finite flag as a 0-d bool tensor) for ternary(r + g); r and g are 1-D
+    with the same length; nothing is modified."""
+    n = g.numel()
+    m = n - n % wire.VALUES_PER_WORD
+    t = _t(threshold, g.device)
+    words = torch.empty(wire.num_words(n), dtype=torch.int32, device=g.device)
+    byts = words.view(torch.uint8)
+    flags = []
+    if m:
+        b, bad = _call("pack", m, r[:m], g[:m], t)
+        byts[:m // 4].copy_(b)
+        flags.append(bad)
+    if m < n:
+        pad = wire.VALUES_PER_WORD - (n - m)
+        rt = torch.nn.functional.pad(r[m:], (0, pad))
+        gt = torch.nn.functional.pad(g[m:].to(torch.float32), (0, pad))
+        b, bad = _pack_body(rt, gt, t)
+        byts[m // 4:].copy_(b)
+        flags.append(bad)
+    flag = flags[0] if len(flags) == 1 else (flags[0] | flags[1]) if flags else \
+        torch.zeros((), dtype=torch.bool, device=g.device)
+    return words, flag
+
+
+def commit(r, g, threshold):
+    """r <- (r + g) - q in place (r 1-D contiguous float32, g 1-D of the same length)."""
+    if r.numel():
+        _call("commit", r.numel(), r, g, _t(threshold, r.device))
+
+
+def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
+    """float32 sum, in rank order, of the decoded ``rows`` (1-D int32 words, one per rank, each
+    with ``thresholds[i]``), divided by ``divisor`` and multiplied by ``scale``."""
+    dev = rows[0].device
+    m = numel - numel % wire.VALUES_PER_WORD
+    ts = [_t(t, dev) for t in thresholds]
+    d, s = _t(divisor, dev), _t(scale, dev)
+    out = torch.empty(numel, dtype=torch.float32, device=dev)
+    sh = _shifts(dev)
+    if m:
+        out[:m] = _call("decode", m, [w.view(torch.uint8)[:m // 4] for w in rows], ts, sh, d, s)
+    if m < numel:
+        tail = _decode_sum_body([w.view(torch.uint8)[m // 4:] for w in rows], ts, sh, d, s)
+        out[m:] = tail[:numel - m]
+    return out
