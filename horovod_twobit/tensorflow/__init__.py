@@ -1,0 +1,19 @@
+"""TensorFlow 2 / Keras binding: ``encode`` / ``decode`` (the codec, in TF ops) and
+``TwoBitCompressor`` (Horovod's ``Compressor`` interface, with ``tf.Variable`` residuals keyed by
+variable or tensor name, savable with ``tf.train.Checkpoint``).
+
+Importing this package installs the router (:func:`install`; :func:`uninstall` removes it), so that
+``hvd.allreduce(t, name='t', compression=TwoBitCompressor(0.5))`` is routed even on the first call:
+Python looks ``hvd.allreduce`` up before it builds the compressor. Calls without a TwoBitCompressor
+go to Horovod unchanged.
+"""
+
+from .codec import decode, encode
+from .compressor import TwoBitCompressor
+from ._routing import install, installed, uninstall
+from ..wire import PayloadMismatchError
+
+install()
+
+__all__ = ["encode", "decode", "TwoBitCompressor", "install", "uninstall", "installed",
+           "PayloadMismatchError"]

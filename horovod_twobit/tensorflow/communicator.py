@@ -1,0 +1,157 @@
+"""The communicator: allgather the 2-bit payloads, decode every rank's, sum them in rank order.
+
+Packed words cannot go through a summing allreduce, so each rank allgathers ``header + words``
+(2 bits per value plus 20 bytes), checks that every rank sent a compatible payload, decodes each one
+and sums them in rank order. Every rank runs the same float32 arithmetic on the same bytes, so the
+result is bitwise identical everywhere (and equal to the PyTorch binding's and the NumPy
+reference's). The residual is updated only after the gather, and only when no rank's gradient held
+NaN or Inf; otherwise every rank's result is NaN (so loss scalers skip the step) and every residual
+stays as it was.
+
+Everything here is TensorFlow ops and runs eagerly or inside ``tf.function`` alike. The header check
+is decided by TF ops from the gathered bytes alone (so every rank decides the same way); only when
+it fails does the buffer go to the host, where :mod:`horovod_twobit.wire` parses it and raises
+:class:`~horovod_twobit.wire.PayloadMismatchError` with the same message on every rank. Eagerly the
+error is raised as such; inside a graph it surfaces as a ``tf.errors.UnknownError`` whose message
+contains ``PayloadMismatchError: <the same message>``.
+"""
+
+import functools
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow.mpi_ops as mpi_ops
+
+from .. import wire
+from . import codec
+
+
+class Exchange:
+    """One tensor's part of a collective: its payload, and what is needed to finish it."""
+
+    def __init__(self, compressor, tensor, key, op, prescale, postscale, nranks):
+        self.tensor = tensor
+        self.key = key
+        self.threshold = compressor.threshold
+        self.op = op
+        self.scale = float(prescale) * float(postscale)
+        self.nranks = int(nranks)
+        self.numel = tensor.shape.num_elements()
+        self.residual = compressor.residuals.get(key, tensor)
+        self.grad = codec._flat32(tensor)
+        self.before = self.residual.read_value()
+        words = codec.quantize_pack(self.grad, self.before, self.threshold)
+        head = wire.make_header(self.numel, self.threshold)
+        nonfinite = tf.logical_not(tf.reduce_all(tf.math.is_finite(self.grad)))
+        flags = tf.cast(nonfinite, tf.int32) * wire.FLAG_NONFINITE
+        self.payload = tf.concat([tf.constant(head[:1], tf.int32), tf.reshape(flags, [1]),
+                                  tf.constant(head[2:], tf.int32), words], axis=0)
+
+    def finish(self, gathered):
+        """Checks, decodes and sums the gathered payloads; commits the residual; returns the result
+        (the tensor's shape and dtype)."""
+        n, t = self.numel, self.threshold
+        raw = gathered
+        gathered, checked = validated(raw, n, t, self.nranks, self.key)
+        rows = tf.reshape(gathered, [self.nranks, wire.HEADER_WORDS + wire.num_words(n)])
+        # ``checked`` is True once the header check passed (it raises otherwise). Using it as data
+        # makes the result and the residual update wait for the check in a graph.
+        bad = tf.logical_or(tf.logical_not(checked), tf.reduce_any(tf.not_equal(
+            tf.bitwise.bitwise_and(rows[:, 1], wire.FLAG_NONFINITE), 0)))
+        out = None
+        for i in range(self.nranks):  # in rank order, as the reference does
+            d = codec.values(codec.unpack(rows[i, wire.HEADER_WORDS:], n), t)
+            out = d if out is None else out + d
+        out = tf.where(bad, tf.constant(np.nan, tf.float32), out)
+        if self.op == mpi_ops.Average:
+            # Divided by the number of payloads gathered, a run-time value: Grappler rewrites a
+            # division by a constant into a multiplication by its reciprocal, which is not the same
+            # float32 result (x / 3 != x * (1 / 3) for some x), and every binding must divide.
+            count = tf.size(raw) // (wire.HEADER_WORDS + wire.num_words(n))
+            out = out / tf.cast(count, tf.float32)
+        if self.scale != 1.0:
+            out = out * tf.constant(self.scale, tf.float32)
+        new = tf.where(bad, tf.reshape(self.before, [-1]),
+                       codec.committed(self.grad, self.before, t))
+        update = self.residual.assign(new)
+        with tf.control_dependencies([update]):
+            result = tf.reshape(out, self.tensor.shape)
+            if result.dtype != self.tensor.dtype:
+                result = tf.cast(result, self.tensor.dtype)
+            return tf.identity(result)
+
+
+def validated(gathered, numel, threshold, nranks, key):
+    """Returns ``(fitted, checked)``: ``gathered`` cut or padded to ``nranks`` payloads of this
+    rank's size, and a boolean tensor that is True once every rank's header is known to agree with
+    this rank's. Raises PayloadMismatchError on every rank otherwise (eagerly: here; in a graph:
+    when the check op runs).
+
+    In a graph the check is a stateful op (so it always runs), but TensorFlow does not reliably run
+    it before ops that merely carry a control dependency on it: so nothing downstream may fail on a
+    buffer of the wrong size and pre-empt the check's error (hence the fitted buffer), and what must
+    wait for the check takes ``checked`` as data."""
+    stride = wire.HEADER_WORDS + wire.num_words(numel)
+    head = wire.make_header(numel, threshold)
+
+    # If every header equals this rank's (format, size, fixed threshold) then every rank's own
+    # header, being among them, equals this one and every rank decides True; if not, every rank
+    # decides False and parses the same bytes on the host. The decision is the same on every rank.
+    need = nranks * stride
+    size = tf.size(gathered)
+    fitted = tf.pad(gathered[:need], [[0, tf.maximum(0, need - size)]])
+    h = tf.reshape(fitted, [nranks, stride])[:, :wire.HEADER_WORDS]
+    same = tf.reduce_all(tf.equal(tf.gather(h, [0, 2, 3, 4], axis=1),
+                                  tf.constant([[head[0], head[2], head[3], head[4]]], tf.int32)))
+    fixed = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(h[:, 1], wire.FLAG_AUTO), 0))
+    ok = tf.logical_and(tf.equal(size, need), tf.logical_and(same, fixed))
+    if tf.executing_eagerly():
+        if not bool(ok):
+            _raise_mismatch(gathered.numpy(), nranks, key)
+        return fitted, tf.constant(True)
+    checked = tf.cond(ok, lambda: tf.constant(True),
+                      lambda: tf.reshape(tf.numpy_function(
+                          functools.partial(_host_check, nranks, key), [gathered], tf.bool,
+                          stateful=True), []))
+    return fitted, checked
+
+
+def _raise_mismatch(flat, nranks, key):
+    wire.split_gathered([int(x) for x in np.asarray(flat).reshape(-1)], nranks, key)
+    raise wire.PayloadMismatchError("tensor %r: ranks sent incompatible payloads" % (key,))
+
+
+def _host_check(nranks, key, flat):
+    _raise_mismatch(flat, nranks, key)
+    return np.bool_(True)
+
+
+MARKER = "PayloadMismatchError: "
+
+
+def translate(error):
+    """The PayloadMismatchError that a graph-mode ``tf.errors.OpError`` carries, or None."""
+    msg = getattr(error, "message", "") or str(error)
+    pos = msg.find(MARKER)
+    if pos < 0:
+        return None
+    text = msg[pos + len(MARKER):].split("\n", 1)[0].strip()
+    return wire.PayloadMismatchError(text)
+
+
+def run(compressor, tensors, keys, op, prescale, postscale, process_set, op_name,
+        ignore_name_scope):
+    """Exchanges a list of dense floating-point tensors (one allgather, or one grouped allgather
+    for several). Returns the list of results."""
+    nranks = process_set.size()
+    exchanges = [Exchange(compressor, t, k, op, prescale, postscale, nranks)
+                 for t, k in zip(tensors, keys)]
+    payloads = [ex.payload for ex in exchanges]
+    if len(payloads) == 1:
+        gathered = [mpi_ops.allgather(payloads[0], name=op_name, process_set=process_set,
+                                      ignore_name_scope=ignore_name_scope)]
+    else:
+        gathered = mpi_ops.grouped_allgather(payloads, name=op_name, process_set=process_set,
+                                             ignore_name_scope=ignore_name_scope)
+    return [ex.finish(g) for ex, g in zip(exchanges, gathered)]

@@ -1,0 +1,89 @@
+"""Both bindings against the shared test vectors (tests/vectors/twobit.json, made from the NumPy
+reference by tests/vectors/make_vectors.py): same words, same bytes in memory, same residual bits,
+same decoded values; and a payload encoded by one framework decodes to the same values in the other."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "vectors"))
+
+import make_vectors  # noqa: E402
+
+with open(make_vectors.PATH) as _f:
+    VECTORS = json.load(_f)
+CASES = VECTORS["cases"]
+IDS = [c["name"] for c in CASES]
+
+
+def f32(values):
+    return np.array(values, dtype=np.float64).astype(np.float32)
+
+
+def bits(a):
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.int32)
+
+
+def test_file_is_what_the_reference_makes():
+    assert make_vectors.dumps(make_vectors.build()) == make_vectors.dumps(VECTORS), \
+        "tests/vectors/twobit.json is stale: run python tests/vectors/make_vectors.py"
+    names = set(IDS)
+    assert {"layout_0xE3", "random_n0_t0.5", "random_n1_t0.5", "random_n15_t0.1", "random_n16_t0.5",
+            "random_n17_t0.001", "random_n100_t0.1"} <= names
+
+
+def test_layout_example_is_0xE3():
+    case = CASES[IDS.index("layout_0xE3")]
+    assert case["steps"][0]["bytes"] == "e3000000"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_torch(case):
+    torch = pytest.importorskip("torch")
+    from horovod_twobit.torch import decode, encode
+    n, t = case["numel"], case["threshold"]
+    r = torch.zeros(n)
+    for step in case["steps"]:
+        words = encode(torch.from_numpy(f32(step["grad"])), r, t)
+        assert words.dtype == torch.int32 and tuple(words.shape) == (len(step["words"]),)
+        assert words.tolist() == step["words"]
+        assert bytes(words.view(torch.uint8).tolist()).hex() == step["bytes"]
+        np.testing.assert_array_equal(bits(r.numpy()), bits(f32(step["residual"])))
+        np.testing.assert_array_equal(bits(decode(words, n, t).numpy()), bits(f32(step["decoded"])))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_tensorflow(case):
+    tf = pytest.importorskip("tensorflow")
+    from horovod_twobit.tensorflow import decode, encode
+    n, t = case["numel"], case["threshold"]
+    r = tf.Variable(tf.zeros([n]))
+    for step in case["steps"]:
+        words = encode(tf.constant(f32(step["grad"])), r, t)
+        assert words.dtype == tf.int32 and tuple(words.shape) == (len(step["words"]),)
+        assert words.numpy().tolist() == step["words"]
+        assert tf.bitcast(words, tf.uint8).numpy().tobytes().hex() == step["bytes"]
+        np.testing.assert_array_equal(bits(r.numpy()), bits(f32(step["residual"])))
+        np.testing.assert_array_equal(bits(decode(words, n, t).numpy()), bits(f32(step["decoded"])))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_payloads_cross_frameworks(case):
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("tensorflow")
+    import horovod_twobit.tensorflow as htf
+    import horovod_twobit.torch as hpt
+    n, t = case["numel"], case["threshold"]
+    for step in case["steps"]:
+        raw = bytes.fromhex(step["bytes"])
+        from_torch = torch.frombuffer(bytearray(raw), dtype=torch.int32) if raw else \
+            torch.zeros(0, dtype=torch.int32)
+        in_tf = htf.decode(tf.constant(from_torch.numpy()), n, t).numpy()
+        from_tf = tf.bitcast(tf.constant(np.frombuffer(raw, dtype=np.uint8).reshape(-1, 4)), tf.int32)
+        in_torch = hpt.decode(torch.from_numpy(from_tf.numpy()), n, t).numpy()
+        np.testing.assert_array_equal(bits(in_tf), bits(in_torch))
+        np.testing.assert_array_equal(bits(in_tf), bits(f32(step["decoded"])))
