@@ -105,3 +105,19 @@ def test_state_from_another_rank_resets_with_warning():
     state["rank"], state["size"] = 0, 1
     c.load_state_dict(state)
     assert torch.equal(c.residuals.get("w", torch.zeros(3)), torch.ones(3))
+
+
+def test_router_leaves_horovods_own_references_alone():
+    import horovod.torch as hvd
+    import horovod.torch.optimizer as hvd_opt
+    from horovod_twobit.torch import _routing
+    assert _routing.installed()
+    assert hvd_opt.DistributedOptimizer.__module__ == "horovod.torch.optimizer"
+    assert hvd.DistributedOptimizer is _routing.DistributedOptimizer
+    _routing.uninstall()
+    try:
+        assert hvd.DistributedOptimizer.__module__ == "horovod.torch.optimizer"
+        assert hvd.allreduce.__module__ == "horovod.torch.mpi_ops"
+    finally:
+        _routing.install()
+    assert hvd.allreduce is _routing.allreduce

@@ -9,9 +9,11 @@ the compressor exists, is routed too); :func:`uninstall` removes it, :func:`inst
 from .codec import decode, encode
 from .compressor import TwoBitCompressor
 from ._routing import install, installed, uninstall
+from .elastic import TwoBitStateHandler, register as _register_elastic
 from ..wire import PayloadMismatchError
 
 __all__ = ["encode", "decode", "TwoBitCompressor", "install", "uninstall", "installed",
-           "PayloadMismatchError"]
+           "PayloadMismatchError", "TwoBitStateHandler"]
 
 install()
+_register_elastic()

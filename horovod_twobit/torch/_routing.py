@@ -184,6 +184,12 @@ _WRAPPERS = {"allreduce": allreduce, "allreduce_async_": allreduce_async_,
              "DistributedOptimizer": DistributedOptimizer}
 
 
+def _patches(module, name):
+    # Horovod's broadcast_optimizer_state compares an optimizer's module with that of
+    # horovod.torch.optimizer.DistributedOptimizer: only the hvd.DistributedOptimizer name is wrapped.
+    return name != "DistributedOptimizer" or module is hvd_torch
+
+
 def install():
     """Routes TwoBit payloads through allgather + decode + sum. Idempotent."""
     with _lock:
@@ -193,7 +199,7 @@ def install():
             _originals[name] = getattr(hvd_optimizer if name == "DistributedOptimizer" else mpi_ops, name)
         for module in _MODULES:
             for name in _NAMES:
-                if hasattr(module, name):
+                if hasattr(module, name) and _patches(module, name):
                     setattr(module, name, _WRAPPERS[name])
 
 

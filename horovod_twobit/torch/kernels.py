@@ -142,6 +142,8 @@ def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
     """float32 sum, in rank order, of the decoded ``rows`` (1-D int32 words, one per rank, each
     with ``thresholds[i]``), divided by ``divisor`` and multiplied by ``scale``."""
     dev = rows[0].device
+    if numel == 0:
+        return torch.empty(0, dtype=torch.float32, device=dev)
     m = numel - numel % wire.VALUES_PER_WORD
     ts = [_t(t, dev) for t in thresholds]
     d, s = _t(divisor, dev), _t(scale, dev)

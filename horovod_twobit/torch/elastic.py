@@ -1,0 +1,41 @@
+"""Elastic Horovod: residuals are part of the committed state.
+
+``hvd.elastic.TorchState(model, optimizer, twobit=compressor)`` handles a ``TwoBitCompressor``
+with :class:`TwoBitStateHandler` (registered when ``horovod_twobit.torch`` is imported):
+
+- ``state.commit()`` snapshots this worker's residuals with the model and optimizer;
+- after a failure, ``state.restore()`` rolls every worker's residuals back to that snapshot, like
+  the weights;
+- on a membership change, each surviving worker keeps its own residuals (a residual is the part
+  of that worker's gradients it has not sent yet; it does not depend on the worker's rank number,
+  and there is nothing to broadcast); a new worker starts from zero; what a removed worker had not
+  sent (at most one threshold per value) is lost.
+"""
+
+import horovod.torch.elastic.state as _state
+
+from .compressor import TwoBitCompressor
+
+
+class TwoBitStateHandler(_state.StateHandler):
+    """Saves, restores and resets a TwoBitCompressor's residuals for elastic training."""
+
+    def __init__(self, compressor):
+        super().__init__(compressor)
+        self._saved = self.value.residuals.state_dict()
+
+    def save(self):
+        self._saved = self.value.residuals.state_dict()
+
+    def restore(self):
+        self.value.residuals.load_state_dict(self._saved)
+
+    def sync(self):
+        """Nothing to synchronize: residuals are per worker by design."""
+
+
+def register():
+    """Makes ``TorchState`` use :class:`TwoBitStateHandler` for TwoBitCompressor values."""
+    registry = _state.get_handler_registry()
+    if not any(cls is TwoBitStateHandler for _, cls in registry):
+        _state.set_handler_registry([(TwoBitCompressor, TwoBitStateHandler)] + list(registry))
