@@ -11,6 +11,29 @@ from . import wire
 _SHIFTS = np.array([6, 4, 2, 0], dtype=np.uint8)
 
 
+FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+
+
+def auto_threshold(x, rule="mean"):
+    """The automatic threshold of float32 values ``x`` (the error-compensated r + g).
+
+    ``mean``: the mean absolute value; ``rms``: the root mean square. Sums run in float64 and the
+    result is rounded to float32 once, so any summation order gives the same bits (in all but
+    astronomically rare cases). Never below the smallest normal float32, so zeros are never sent."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    if x.size == 0:
+        return np.float32(1.0)
+    a = np.abs(x).astype(np.float64)
+    if rule == "mean":
+        t = a.sum() / x.size
+    elif rule == "rms":
+        t = np.sqrt((a * a).sum() / x.size)
+    else:
+        raise ValueError("unknown rule %r" % (rule,))
+    t = np.float32(t)
+    return t if not (t < FLT_MIN) else FLT_MIN  # NaN stays NaN
+
+
 def quantize(grad, residual, threshold):
     """One step of error feedback on float32 arrays: r += g; q = ternary(r); r -= q.
 
@@ -79,12 +102,15 @@ def aggregate(decoded, op="average", prescale=1.0, postscale=1.0):
 
 class Workers:
     """N simulated workers with one residual per tensor name each: what N ranks of the real
-    communicator compute, step by step."""
+    communicator compute, step by step. ``threshold`` may be ``"auto"`` (each rank picks its own
+    with :func:`auto_threshold` every step; ``rule`` names the rule)."""
 
-    def __init__(self, nranks, threshold):
+    def __init__(self, nranks, threshold, rule="mean"):
         self.nranks = nranks
         self.threshold = threshold
+        self.rule = rule
         self.residuals = [dict() for _ in range(nranks)]
+        self.last_thresholds = {}
 
     def allreduce(self, name, grads, op="average", prescale=1.0, postscale=1.0):
         """``grads``: one array per rank. Returns the aggregated float32 array (same shape)."""
@@ -95,9 +121,14 @@ class Workers:
             for rank, g in enumerate(flat):
                 self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
             return np.full(shape, np.nan, dtype=np.float32)
-        decoded = []
+        decoded, ts = [], []
         for rank, g in enumerate(flat):
             r = self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
-            words = encode(g, r, self.threshold)
-            decoded.append(decode(words, g.size, self.threshold))
+            t = self.threshold
+            if t == "auto":
+                t = auto_threshold(r + g, self.rule)
+            ts.append(t)
+            words = encode(g, r, t)
+            decoded.append(decode(words, g.size, t))
+        self.last_thresholds[name] = ts
         return aggregate(decoded, op, prescale, postscale).reshape(shape)

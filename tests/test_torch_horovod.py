@@ -30,6 +30,18 @@ def test_optimizer_matches_simulation(tmp_path, np_):
     assert "direct" in list(ranks[0]["residual_names"])
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_auto_threshold_matches_simulation(tmp_path, np_):
+    ranks = _train(tmp_path, np_, "--steps", 12, "--threshold", "auto", "--groups", 2)
+    sim.check_training(ranks, "auto", 12)
+    w = ref.Workers(np_, "auto")
+    for i in range(2):
+        expect = w.allreduce("direct", [r["direct_in/%d" % i] for r in ranks])
+        assert len(set(float(t) for t in w.last_thresholds["direct"])) == np_  # one t per sender
+        for r in ranks:
+            np.testing.assert_array_equal(r["direct_out/%d" % i], expect)
+
+
 def test_backward_passes_per_step_and_groups(tmp_path):
     ranks = _train(tmp_path, 2, "--steps", 12, "--threshold", 0.1, "--bpps", 2, "--groups", 2)
     sim.check_training(ranks, 0.1, 12)

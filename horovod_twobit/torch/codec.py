@@ -23,7 +23,7 @@ def _check(grad, residual):
                          % (residual.device, grad.device))
 
 
-def _flat(grad):
+def flat(grad):
     """1-D view (or contiguous copy) of a gradient; float16/bfloat16 stay as they are (the kernels
     convert exactly), float64 is rounded to float32 first."""
     g = grad.reshape(-1)
@@ -33,7 +33,7 @@ def _flat(grad):
 def quantize_pack(grad, residual, threshold):
     """(words, non-finite flag) for ternary(residual + grad), without touching the residual
     (see :func:`commit`). ``residual`` must be contiguous."""
-    return kernels.pack(residual.view(-1), _flat(grad), threshold)
+    return kernels.pack(residual.view(-1), flat(grad), threshold)
 
 
 def commit(grad, residual, threshold):
@@ -41,10 +41,10 @@ def commit(grad, residual, threshold):
     ternary value :func:`quantize_pack` sent for the same (grad, residual). The float32 operations
     are MXNet's, in its order, so the bits are MXNet's."""
     if residual.is_contiguous():
-        kernels.commit(residual.view(-1), _flat(grad), threshold)
+        kernels.commit(residual.view(-1), flat(grad), threshold)
     else:
         r = residual.reshape(-1).clone()
-        kernels.commit(r, _flat(grad), threshold)
+        kernels.commit(r, flat(grad), threshold)
         residual.copy_(r.view_as(residual))
 
 

@@ -40,10 +40,17 @@ class Exchange:
         self.scale = float(prescale) * float(postscale)
         self.nranks = process_set.size()
         self.in_place = in_place
+        auto = self.threshold == "auto"
+        if auto:  # chosen from r + g on this rank, carried in the header; no host sync
+            self.threshold = kernels.auto_threshold(self.residual.view(-1), codec.flat(tensor),
+                                                    compressor.auto_rule)
         words, nonfinite = codec.quantize_pack(tensor, self.residual, self.threshold)
-        header = torch.tensor(wire.make_header(tensor.numel(), self.threshold), dtype=torch.int32,
-                              device=words.device)
-        header[1] = nonfinite.to(torch.int32) * wire.FLAG_NONFINITE
+        header = torch.tensor(wire.make_header(tensor.numel(), 1.0 if auto else self.threshold,
+                                               wire.FLAG_AUTO if auto else 0),
+                              dtype=torch.int32, device=words.device)
+        header[1] |= nonfinite.to(torch.int32) * wire.FLAG_NONFINITE
+        if auto:
+            header[4] = self.threshold.reshape(1).view(torch.int32)[0]
         self.payload = torch.cat([header, words])
 
     def finish(self, gathered):

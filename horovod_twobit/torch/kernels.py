@@ -67,9 +67,24 @@ def _decode_sum_body(rows, ts, shifts, divisor, scale):
     return out / divisor * scale
 
 
+def _abs_sum_body(r, g):
+    """sum |r + g| in float64 (the automatic threshold's 'mean' rule)."""
+    return (r + g.to(torch.float32)).abs().to(torch.float64).sum()
+
+
+def _sq_sum_body(r, g):
+    """sum (r + g)^2 in float64 (the 'rms' rule)."""
+    x = (r + g.to(torch.float32)).to(torch.float64)
+    return (x * x).sum()
+
+
+_BODIES = {"pack": _pack_body, "commit": _commit_body, "decode": _decode_sum_body,
+           "abs_sum": _abs_sum_body, "sq_sum": _sq_sum_body}
+
+
 def _fn(name):
     """The compiled body, or the eager one when compilation is off or failed."""
-    body = {"pack": _pack_body, "commit": _commit_body, "decode": _decode_sum_body}[name]
+    body = _BODIES[name]
     if _disabled:
         return body
     with _lock:
@@ -88,7 +103,7 @@ def _run(name, *args):
             _disabled = True
             warnings.warn("horovod-twobit: torch.compile is unavailable (%s: %s); using the eager "
                           "codec, which gives the same results more slowly" % (type(e).__name__, e))
-    return {"pack": _pack_body, "commit": _commit_body, "decode": _decode_sum_body}[name](*args)
+    return _BODIES[name](*args)
 
 
 def _pick(numel):
@@ -98,13 +113,37 @@ def _pick(numel):
 def _call(name, numel, *args):
     if _pick(numel) == "compiled":
         return _run(name, *args)
-    return {"pack": _pack_body, "commit": _commit_body, "decode": _decode_sum_body}[name](*args)
+    return _BODIES[name](*args)
 
 
 # ----------------------------------------------------------------- public kernels
 
 def _t(value, device):
+    if isinstance(value, torch.Tensor):
+        return value
     return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+AUTO_RULES = ("mean", "rms")
+_FLT_MIN = torch.finfo(torch.float32).tiny
+
+
+def auto_threshold(r, g, rule="mean"):
+    """The automatic threshold of r + g as a 0-d float32 tensor on their device (no host sync):
+    the mean absolute value (``mean``) or the root mean square (``rms``), summed in float64,
+    rounded to float32 once, and never below the smallest normal float32 (so zeros are never
+    sent). Matches :func:`horovod_twobit.reference.auto_threshold`."""
+    n = g.numel()
+    if n == 0:
+        return torch.ones((), dtype=torch.float32, device=g.device)
+    if rule == "mean":
+        t = _call("abs_sum", n, r, g) / n
+    elif rule == "rms":
+        t = (_call("sq_sum", n, r, g) / n).sqrt()
+    else:
+        raise ValueError("unknown automatic threshold rule %r (known: %s)" % (rule, AUTO_RULES))
+    t = t.to(torch.float32)
+    return torch.where(t < _FLT_MIN, torch.full_like(t, _FLT_MIN), t)
 
 
 def pack(r, g, threshold):

@@ -12,7 +12,7 @@ from horovod_twobit.torch import TwoBitCompressor
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=20)
-p.add_argument("--threshold", type=float, default=0.5)
+p.add_argument("--threshold", type=lambda v: v if v == "auto" else float(v), default=0.5)
 p.add_argument("--bpps", type=int, default=1)
 p.add_argument("--groups", type=int, default=0)
 p.add_argument("--op", default="average")

@@ -1,0 +1,62 @@
+"""threshold="auto": the value travels in the header, receivers use each sender's value."""
+
+import numpy as np
+import pytest
+import torch
+
+from horovod_twobit import reference as ref
+from horovod_twobit import wire
+from horovod_twobit.torch import TwoBitCompressor, kernels
+
+
+@pytest.mark.parametrize("rule", ["mean", "rms"])
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+@pytest.mark.parametrize("n", [0, 1, 17, 5000, 100003])
+def test_auto_threshold_matches_reference(monkeypatch, rule, path, n):
+    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    rng = np.random.default_rng(n)
+    r = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    g = (rng.standard_normal(n) * rng.choice([0.001, 0.1, 3.0], n)).astype(np.float32)
+    got = kernels.auto_threshold(torch.from_numpy(r), torch.from_numpy(g), rule)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    want = ref.auto_threshold(r + g, rule)
+    assert got.numpy().view(np.int32) == np.float32(want).view(np.int32)
+
+
+def test_auto_threshold_of_zeros_sends_nothing():
+    t = kernels.auto_threshold(torch.zeros(32), torch.zeros(32))
+    assert float(t) == torch.finfo(torch.float32).tiny
+    assert ref.auto_threshold(np.zeros(32, np.float32)) == np.finfo(np.float32).tiny
+    r = np.zeros(32, np.float32)
+    assert (ref.encode(np.zeros(32, np.float32), r, ref.auto_threshold(r)) == 0).all()
+
+
+def test_header_carries_the_senders_value():
+    from horovod_twobit.torch.communicator import _split
+    rows = []
+    for rank, t in enumerate([0.25, 0.0625]):
+        words = ref.encode(np.array([1.0, -1.0, 0.01] * 11, np.float32), np.zeros(33, np.float32), t)
+        rows.append(np.array(wire.make_header(33, t, wire.FLAG_AUTO), np.int32))
+        rows.append(words)
+    parts = _split(torch.from_numpy(np.concatenate(rows)), 33, 2, "w")
+    assert [h.threshold for h, _ in parts] == [0.25, 0.0625] and all(h.auto for h, _ in parts)
+    out = kernels.decode_sum([w for _, w in parts], [h.threshold for h, _ in parts], 33, 2)
+    assert out[0].item() == (0.25 + 0.0625) / 2 and out[1].item() == -(0.25 + 0.0625) / 2
+    assert out[2].item() == 0
+
+
+def test_auto_and_fixed_senders_refuse_to_mix():
+    a = wire.make_header(16, 0.5, wire.FLAG_AUTO) + [0]
+    b = wire.make_header(16, 0.5) + [0]
+    with pytest.raises(wire.PayloadMismatchError, match="threshold='auto'"):
+        wire.split_gathered(a + b, 2, "w")
+
+
+@pytest.mark.parametrize("bad", ["Auto", "", None, "auto ", "0.5"])
+def test_bad_threshold_values(bad):
+    with pytest.raises(ValueError, match="positive number or the string 'auto'"):
+        TwoBitCompressor(bad)
+
+
+def test_auto_is_accepted():
+    assert TwoBitCompressor("auto").threshold == "auto"
