@@ -11,8 +11,6 @@ Prints per epoch: loss (averaged over ranks), test accuracy, payload bytes each 
 and the compression ratio; writes a PNG of both accuracy curves to the path it prints.
 """
 
-import argparse
-import os
 import time
 
 import numpy as np
@@ -22,17 +20,11 @@ import horovod.tensorflow.keras as hvd
 from horovod_twobit import wire
 from horovod_twobit.tensorflow import TwoBitCompressor
 
+import _digits
+
 
 def data(rank, size):
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
-    # Every rank gets a shard of the same length, so every rank runs the same number of steps
-    # (Horovod pairs the ranks' collectives step by step).
-    n = len(xtr) // size
-    return xtr[rank::size][:n], ytr[rank::size][:n], xte, yte
+    return _digits.shards(rank, size)
 
 
 def payload_bytes(model, compression):
@@ -84,15 +76,7 @@ def train(label, compression, args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--momentum", type=float, default=0.0)
-    p.add_argument("--threshold", type=float, default=0.5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=os.path.join("build", "digits_keras.png"))
-    args = p.parse_args()
+    args = _digits.parser(__doc__, lr=0.1, plot="digits_keras.png").parse_args()
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -100,29 +84,7 @@ def main():
     base = train("fp32", None, args)
     two = train("twobit", TwoBitCompressor(args.threshold), args)
     if hvd.rank() == 0:
-        print("final test accuracy: uncompressed %.4f, TwoBit(%g) %.4f  (%.0fs, %d ranks)"
-              % (base[-1], args.threshold, two[-1], time.time() - t0, hvd.size()))
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed: no plot")
-            return
-        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ep = range(1, args.epochs + 1)
-        ax.plot(ep, base, "o-", label="Horovod, no compression")
-        ax.plot(ep, two, "s-", label="TwoBitCompressor(%g)" % args.threshold)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("test accuracy")
-        ax.set_title("digits Keras MLP, %d workers" % hvd.size())
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=100)
-        print("plot written to %s" % os.path.abspath(args.plot))
-
+        _digits.report(base, two, args, "digits Keras MLP", time.time() - t0, hvd.size())
 
 if __name__ == "__main__":
     main()

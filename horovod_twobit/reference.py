@@ -12,6 +12,13 @@ _SHIFTS = np.array([6, 4, 2, 0], dtype=np.uint8)
 
 
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+
+
+def ternary_errors(a, ts):
+    """Squared error of the ternary code with threshold (and magnitude) t, for each t in ``ts``,
+    over absolute values ``a`` (float64): sum (a - t)^2 where a >= t, plus sum a^2 elsewhere."""
+    return [float(np.where(a >= t, (a - t) ** 2, a * a).sum()) for t in ts]
 
 
 def auto_threshold(x, rule="mean"):
@@ -24,13 +31,19 @@ def auto_threshold(x, rule="mean"):
     if x.size == 0:
         return np.float32(1.0)
     a = np.abs(x).astype(np.float64)
+    rule, _, k = rule.partition("*")
     if rule == "mean":
         t = a.sum() / x.size
+    elif rule == "opt":
+        m = a.sum() / x.size
+        ts = [c * m for c in OPT_MULTIPLES]
+        errs = ternary_errors(a, ts)
+        t = ts[int(np.argmin(errs))]
     elif rule == "rms":
         t = np.sqrt((a * a).sum() / x.size)
     else:
         raise ValueError("unknown rule %r" % (rule,))
-    t = np.float32(t)
+    t = np.float32(t * float(k)) if k else np.float32(t)
     return t if not (t < FLT_MIN) else FLT_MIN  # NaN stays NaN
 
 

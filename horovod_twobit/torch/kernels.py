@@ -78,8 +78,18 @@ def _sq_sum_body(r, g):
     return (x * x).sum()
 
 
+OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+
+
+def _ternary_errors_body(r, g, ts):
+    """Squared error of the ternary code for each threshold in the float64 vector ``ts``."""
+    a = (r + g.to(torch.float32)).abs().to(torch.float64)
+    return torch.stack([torch.where(a >= ts[i], (a - ts[i]) ** 2, a * a).sum()
+                        for i in range(len(OPT_MULTIPLES))])
+
+
 _BODIES = {"pack": _pack_body, "commit": _commit_body, "decode": _decode_sum_body,
-           "abs_sum": _abs_sum_body, "sq_sum": _sq_sum_body}
+           "abs_sum": _abs_sum_body, "sq_sum": _sq_sum_body, "errors": _ternary_errors_body}
 
 
 def _fn(name):
@@ -124,7 +134,7 @@ def _t(value, device):
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
-AUTO_RULES = ("mean", "rms")
+AUTO_RULES = ("mean", "rms", "opt")
 _FLT_MIN = torch.finfo(torch.float32).tiny
 
 
@@ -136,13 +146,18 @@ def auto_threshold(r, g, rule="mean"):
     n = g.numel()
     if n == 0:
         return torch.ones((), dtype=torch.float32, device=g.device)
+    rule, _, k = rule.partition("*")
     if rule == "mean":
         t = _call("abs_sum", n, r, g) / n
+    elif rule == "opt":
+        m = _call("abs_sum", n, r, g) / n
+        ts = m * torch.tensor(OPT_MULTIPLES, dtype=torch.float64, device=g.device)
+        t = ts[torch.argmin(_call("errors", n, r, g, ts))]
     elif rule == "rms":
         t = (_call("sq_sum", n, r, g) / n).sqrt()
     else:
         raise ValueError("unknown automatic threshold rule %r (known: %s)" % (rule, AUTO_RULES))
-    t = t.to(torch.float32)
+    t = (t * float(k) if k else t).to(torch.float32)
     return torch.where(t < _FLT_MIN, torch.full_like(t, _FLT_MIN), t)
 
 

@@ -1,0 +1,28 @@
+"""The examples users run: they work and print what they promise."""
+
+import json
+import os
+
+import jobs
+
+EXAMPLES = os.path.join(os.path.dirname(jobs.HERE), "examples")
+
+
+def test_keras_demo_runs_and_plots(tmp_path):
+    png = tmp_path / "plot.png"
+    res = jobs.run(2, os.path.join(EXAMPLES, "digits_keras.py"), "--epochs", 2, "--plot", png,
+                   timeout=300)
+    assert "final test accuracy" in res.output and png.stat().st_size > 1000, res
+
+
+def test_convergence_study_smoke(tmp_path):
+    res = jobs.run(2, os.path.join(EXAMPLES, "convergence.py"), "--quick", "--models", "mlp,lstm",
+                   "--optimizers", "momentum", "--methods", "none,fp16,auto", "--lstm-steps", 4,
+                   "--eval-every", 2, "--out", tmp_path, timeout=300)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {(r["model"], r["method"]) for r in results} == {
+        (m, k) for m in ("mlp", "lstm") for k in ("none", "fp16", "auto")}
+    mlp = {r["method"]: r for r in results if r["model"] == "mlp"}
+    assert mlp["none"]["bytes"] == 2 * mlp["fp16"]["bytes"] > 15 * mlp["auto"]["bytes"]
+    assert "| mlp (test acc) | momentum |" in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "curves.png").stat().st_size > 1000, res
