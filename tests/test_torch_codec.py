@@ -98,3 +98,39 @@ def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path):
         want = ref.aggregate([ref.decode(w.numpy(), n, 0.1) for w in rows], "average", 0.5, 1.0)
         np.testing.assert_array_equal(got.numpy(), want)
     assert not kernels._disabled, "compilation failed and fell back to eager"
+
+
+def _free_memory_bytes():
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(l.split(":", 1) for l in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+@pytest.mark.skipif(_free_memory_bytes() < 16 * 2 ** 30, reason="needs 16 GiB of free memory")
+def test_payload_of_more_than_2_to_the_31_bits():
+    """2^30 + 17 values: 2^31 + 34 bits of payload; indexing past 2^31 must not wrap."""
+    from horovod_twobit.torch import kernels
+    if kernels._disabled:
+        pytest.skip("needs the compiled kernels (the eager path's temporaries would not fit)")
+    n = 2 ** 30 + 17
+    g = torch.full((n,), 0.25)
+    tail = torch.tensor([0.75, -0.6, 0.1, 2.0] * 8 + [0.9])  # the last 33 values
+    g[-33:] = tail
+    g[:4] = torch.tensor([0.6, -0.6, 0.0, 0.6])
+    r = torch.zeros(n)
+    words = encode(g, r, 0.5)
+    assert words.numel() == (n + 15) // 16
+    assert words.view(torch.uint8)[0].item() == 0xE3
+    # the last 33 values straddle three words: compare them with the reference
+    k = n - 33 - ((n - 33) % 16)  # start of the word holding value n-33
+    r_ref = np.zeros(n - k, np.float32)
+    want = ref.encode(g[k:].numpy(), r_ref, 0.5)
+    np.testing.assert_array_equal(words[k // 16:].numpy(), want)
+    np.testing.assert_array_equal(r[k:].numpy(), r_ref)
+    del g, r
+    out = decode(words, n, 0.5)
+    np.testing.assert_array_equal(out[k:].numpy(), ref.decode(want, n - k, 0.5))
+    assert out[:4].tolist() == [0.5, -0.5, 0.0, 0.5]

@@ -26,20 +26,24 @@ def _parse_size(s):
     return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
 
 
-def _timeit(fn, device, min_time=0.3, max_reps=200):
+def _time_round_robin(fns, device, min_time=0.5, max_rounds=200):
+    """Median seconds of each function, timed in turns (one call of each per round), so that all
+    see the same load on a shared machine."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
-    fn()
-    sync()
-    times = []
-    t_end = time.perf_counter() + min_time
-    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < max_reps):
-        t0 = time.perf_counter()
+    for fn in fns:  # warm-up (and compilation)
         fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    sync()
+    times = [[] for _ in fns]
+    t_end = time.perf_counter() + min_time * len(fns)
+    while len(times[0]) < 5 or (time.perf_counter() < t_end and len(times[0]) < max_rounds):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def measure(n, device, ranks=2, path="compiled", threshold=0.5):
@@ -56,9 +60,9 @@ def measure(n, device, ranks=2, path="compiled", threshold=0.5):
             codec.quantize_pack(g, r, threshold)
             codec.commit(g, r, threshold)
 
-        t_enc = _timeit(encode, device)
-        t_dec = _timeit(lambda: kernels.decode_sum(rows, [threshold] * ranks, n, ranks), device)
-        t_probe = _timeit(lambda: r.add_(g), device)
+        t_enc, t_dec, t_probe = _time_round_robin(
+            [encode, lambda: kernels.decode_sum(rows, [threshold] * ranks, n, ranks),
+             lambda: r.add_(g)], device)
     finally:
         kernels.COMPILE_MIN_NUMEL = old
     gb = 4 * n / 1e9

@@ -1,13 +1,15 @@
 """Fused codec kernels: one pass over memory for each of pack, commit and decode-sum.
 
-The kernel bodies are plain torch ops. For tensors of at least ``COMPILE_MIN_NUMEL`` values they
-run through ``torch.compile`` (Inductor fuses each body into one loop on CPU and GPU); below that,
-or where compilation is unavailable or disabled (``HOROVOD_TWOBIT_COMPILE=0``), the same bodies
-run eagerly. Both paths give the same bits: the bodies use only exact float32 operations (add,
-compare, subtract a threshold, select) whose results do not depend on fusion.
+The quantize/pack and commit bodies are plain torch ops. For tensors of at least
+``COMPILE_MIN_NUMEL`` values they run through ``torch.compile`` (Inductor fuses each body into one
+vectorized loop on CPU and GPU); below that, or where compilation is unavailable or disabled
+(``HOROVOD_TWOBIT_COMPILE=0``), the same bodies run eagerly. Both paths give the same bits: the
+bodies use only exact float32 operations (add, compare, subtract a threshold, select) whose results
+do not depend on fusion. Decoding needs no compiler: it is a table lookup per byte (``index_select``),
+which is as fast on both.
 
 Compiled graphs are dynamic in the tensor length, so Inductor compiles once per (function, dtype,
-device, number of ranks), never per step. The threshold and divisor travel as 0-d tensors, so a
+device), never per step. The threshold and divisor travel as 0-d tensors, so a
 new value does not recompile either.
 
 Extra memory per tensor: the float32 residual (persistent), the packed payload (n/4 bytes) and the
@@ -24,47 +26,31 @@ import torch
 from .. import wire
 
 COMPILE_MIN_NUMEL = int(os.environ.get("HOROVOD_TWOBIT_COMPILE_MIN_NUMEL", 1 << 16))
-_SHIFTS = {}
 _lock = threading.Lock()
 _compiled = {}
 _disabled = os.environ.get("HOROVOD_TWOBIT_COMPILE", "1") == "0"
 
 
-def _shifts(device):
-    s = _SHIFTS.get(device)
-    if s is None:
-        s = _SHIFTS[device] = torch.tensor([6, 4, 2, 0], dtype=torch.int32, device=device)
-    return s
-
-
 # ----------------------------------------------------------------- kernel bodies (m % 16 == 0)
 
-def _pack_body(r, g, t):
-    """Bytes (m/4 uint8) of ternary(r + g), and whether r + g held NaN or Inf."""
+def _codes_body(r, g, t):
+    """uint8 codes of ternary(r + g) (3: +t, 2: -t, 0), and whether r + g held NaN or Inf."""
     x = r + g.to(torch.float32)
-    pos = (x >= t).to(torch.int32)
-    c = ((x <= -t).to(torch.int32) | pos) * 2 + pos
-    c = c.view(-1, 4)
-    b = (c[:, 0] << 6) | (c[:, 1] << 4) | (c[:, 2] << 2) | c[:, 3]
-    return b.to(torch.uint8), ~torch.isfinite(x).all()
+    pos = (x >= t).to(torch.uint8)
+    return ((x <= -t).to(torch.uint8) | pos) * 2 + pos, ~torch.isfinite(x).all()
+
+
+def _bytes_body(w):
+    """Packs four codes per byte. ``w`` views each four consecutive uint8 codes as one int32
+    (little-endian: the first code in the lowest byte); the first code goes to the highest bits."""
+    return (((w & 3) << 6) | (((w >> 8) & 3) << 4) | (((w >> 16) & 3) << 2)
+            | ((w >> 24) & 3)).to(torch.uint8)
 
 
 def _commit_body(r, g, t):
     """r <- (r + g) - q in place, q the ternary value of r + g."""
     x = r + g.to(torch.float32)
     r.copy_(torch.where(x >= t, x - t, torch.where(x <= -t, x + t, x)))
-
-
-def _decode_sum_body(rows, ts, shifts, divisor, scale):
-    """Sum over ranks, in rank order, of the decoded values of each row of bytes; then / divisor,
-    then * scale."""
-    out = None
-    for i in range(len(rows)):
-        c = (rows[i].to(torch.int32).unsqueeze(1) >> shifts) & 3
-        t = ts[i]
-        v = torch.where(c == 3, t, torch.where(c == 2, -t, torch.zeros_like(t))).reshape(-1)
-        out = v if out is None else out + v
-    return out / divisor * scale
 
 
 def _abs_sum_body(r, g):
@@ -88,7 +74,7 @@ def _ternary_errors_body(r, g, ts):
                         for i in range(len(OPT_MULTIPLES))])
 
 
-_BODIES = {"pack": _pack_body, "commit": _commit_body, "decode": _decode_sum_body,
+_BODIES = {"codes": _codes_body, "bytes": _bytes_body, "commit": _commit_body,
            "abs_sum": _abs_sum_body, "sq_sum": _sq_sum_body, "errors": _ternary_errors_body}
 
 
@@ -161,6 +147,11 @@ def auto_threshold(r, g, rule="mean"):
     return torch.where(t < _FLT_MIN, torch.full_like(t, _FLT_MIN), t)
 
 
+def _pack_main(r, g, t):
+    codes, bad = _call("codes", r.numel(), r, g, t)
+    return _call("bytes", r.numel(), codes.view(torch.int32)), bad
+
+
 def pack(r, g, threshold):
     """(int32 words, non-finite flag as a 0-d bool tensor) for ternary(r + g); r and g are 1-D
     with the same length; nothing is modified."""
@@ -171,15 +162,15 @@ def pack(r, g, threshold):
     byts = words.view(torch.uint8)
     flags = []
     if m:
-        b, bad = _call("pack", m, r[:m], g[:m], t)
+        b, bad = _pack_main(r[:m], g[:m], t)
         byts[:m // 4].copy_(b)
         flags.append(bad)
     if m < n:
         pad = wire.VALUES_PER_WORD - (n - m)
         rt = torch.nn.functional.pad(r[m:], (0, pad))
         gt = torch.nn.functional.pad(g[m:].to(torch.float32), (0, pad))
-        b, bad = _pack_body(rt, gt, t)
-        byts[m // 4:].copy_(b)
+        codes, bad = _codes_body(rt, gt, t)
+        byts[m // 4:].copy_(_bytes_body(codes.view(torch.int32)))
         flags.append(bad)
     flag = flags[0] if len(flags) == 1 else (flags[0] | flags[1]) if flags else \
         torch.zeros((), dtype=torch.bool, device=g.device)
@@ -192,20 +183,54 @@ def commit(r, g, threshold):
         _call("commit", r.numel(), r, g, _t(threshold, r.device))
 
 
+_BYTE_CODES = {}
+JOINT_MIN_BYTES = 1 << 16
+
+
+def _lut(t, device):
+    """(256, 4) float32: the four values each byte decodes to (+t for 11, -t for 10, else 0)."""
+    c = _BYTE_CODES.get(device)
+    if c is None:
+        b = torch.arange(256, dtype=torch.int32, device=device)
+        c = _BYTE_CODES[device] = torch.stack([(b >> s) & 3 for s in (6, 4, 2, 0)], dim=1)
+    t = _t(t, device)
+    return torch.where(c == 3, t, torch.where(c == 2, -t, torch.zeros_like(t)))
+
+
+def _gather(table, idx):
+    """table[idx] for a (K, 4) float32 table: rows gathered as 16-byte complex128 elements, the
+    fastest native gather (bits are copied, never computed on: finite float32 pairs are never a
+    NaN double)."""
+    return table.view(torch.complex128).view(-1).index_select(0, idx).view(torch.float32)
+
+
 def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
     """float32 sum, in rank order, of the decoded ``rows`` (1-D int32 words, one per rank, each
-    with ``thresholds[i]``), divided by ``divisor`` and multiplied by ``scale``."""
+    with ``thresholds[i]``), divided by ``divisor`` and multiplied by ``scale``.
+
+    Decoding is a table lookup per byte: each byte gathers its four float32 values. For large
+    tensors the first two ranks share one 65536-entry table of their sums (with the division and
+    scale folded in when there are only two), so their bytes are read once and the output written
+    once. The float32 operations and their order are those of the reference: v0 + v1 + ... then
+    / divisor, then * scale."""
     dev = rows[0].device
+    nbytes = wire.num_words(numel) * 4
     if numel == 0:
         return torch.empty(0, dtype=torch.float32, device=dev)
-    m = numel - numel % wire.VALUES_PER_WORD
-    ts = [_t(t, dev) for t in thresholds]
     d, s = _t(divisor, dev), _t(scale, dev)
-    out = torch.empty(numel, dtype=torch.float32, device=dev)
-    sh = _shifts(dev)
-    if m:
-        out[:m] = _call("decode", m, [w.view(torch.uint8)[:m // 4] for w in rows], ts, sh, d, s)
-    if m < numel:
-        tail = _decode_sum_body([w.view(torch.uint8)[m // 4:] for w in rows], ts, sh, d, s)
-        out[m:] = tail[:numel - m]
-    return out
+    luts = [_lut(t, dev) for t in thresholds]
+    byts = [w.view(torch.uint8)[:nbytes].to(torch.int32) for w in rows]
+    last = len(rows) == 1 or (len(rows) == 2 and nbytes >= JOINT_MIN_BYTES)
+    if len(rows) >= 2 and nbytes >= JOINT_MIN_BYTES:
+        joint = (luts[0].unsqueeze(1) + luts[1].unsqueeze(0)).reshape(65536, 4)
+        out = _gather(joint / d * s if last else joint, byts[0] * 256 + byts[1])
+        rest = 2
+    else:
+        out = _gather(luts[0] / d * s if last else luts[0], byts[0])
+        rest = 1
+    for i in range(rest, len(rows)):
+        out += _gather(luts[i], byts[i])
+    if not last:
+        out /= d
+        out *= s
+    return out[:numel]
