@@ -21,10 +21,12 @@ def ternary_errors(a, ts):
     return [float(np.where(a >= t, (a - t) ** 2, a * a).sum()) for t in ts]
 
 
-def auto_threshold(x, rule="mean"):
+def auto_threshold(x, rule="opt"):
     """The automatic threshold of float32 values ``x`` (the error-compensated r + g).
 
-    ``mean``: the mean absolute value; ``rms``: the root mean square. Sums run in float64 and the
+    ``opt`` (the default of ``threshold="auto"``): among c * mean|x| for c in ``OPT_MULTIPLES``, the
+    value that minimises the squared error of the ternary code; ``mean``: the mean absolute value;
+    ``rms``: the root mean square; a ``*K`` suffix multiplies by K. Sums run in float64 and the
     result is rounded to float32 once, so any summation order gives the same bits (in all but
     astronomically rare cases). Never below the smallest normal float32, so zeros are never sent."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
@@ -118,7 +120,7 @@ class Workers:
     communicator compute, step by step. ``threshold`` may be ``"auto"`` (each rank picks its own
     with :func:`auto_threshold` every step; ``rule`` names the rule)."""
 
-    def __init__(self, nranks, threshold, rule="mean"):
+    def __init__(self, nranks, threshold, rule="opt"):
         self.nranks = nranks
         self.threshold = threshold
         self.rule = rule

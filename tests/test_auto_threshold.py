@@ -9,7 +9,7 @@ from horovod_twobit import wire
 from horovod_twobit.torch import TwoBitCompressor, kernels
 
 
-@pytest.mark.parametrize("rule", ["mean", "rms"])
+@pytest.mark.parametrize("rule", ["opt", "mean", "rms", "mean*3"])
 @pytest.mark.parametrize("path", ["eager", "compiled"])
 @pytest.mark.parametrize("n", [0, 1, 17, 5000, 100003])
 def test_auto_threshold_matches_reference(monkeypatch, rule, path, n):

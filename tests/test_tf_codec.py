@@ -117,3 +117,163 @@ def test_gpu_matches_cpu():
     np.testing.assert_array_equal(w1.numpy(), w2.numpy())
     np.testing.assert_array_equal(r1.numpy(), r2.numpy())
     np.testing.assert_array_equal(d1.numpy(), d2.numpy())
+
+
+# ----------------------------------------------------------------- threshold="auto"
+
+def _auto_inputs(n):
+    rng = np.random.default_rng(n)
+    r = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    g = (rng.standard_normal(n) * rng.choice([0.001, 0.1, 3.0], n)).astype(np.float32)
+    return r, g
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("rule", ["opt", "mean", "rms", "mean*3"])
+@pytest.mark.parametrize("n", [0, 1, 17, 5000, 100003])
+def test_auto_threshold_matches_reference(n, rule, mode):
+    """The same inputs as tests/test_auto_threshold.py (the PyTorch kernel's test)."""
+    from horovod_twobit.tensorflow import auto_threshold
+    r, g = _auto_inputs(n)
+    fn = lambda r, g: auto_threshold(r, g, rule)  # noqa: E731
+    if mode == "function":
+        fn = tf.function(fn)
+    got = fn(tf.Variable(r), tf.constant(g))
+    assert got.dtype == tf.float32 and got.shape.rank == 0
+    want = ref.auto_threshold(r + g, rule)
+    assert got.numpy().view(np.int32) == np.float32(want).view(np.int32), (got.numpy(), want)
+
+
+@pytest.mark.parametrize("rule", ["opt", "mean", "rms", "mean*3"])
+def test_auto_threshold_unknown_length_and_half_precision(rule):
+    from horovod_twobit.tensorflow import auto_threshold
+    fn = tf.function(lambda r, g: auto_threshold(r, g, rule),
+                     input_signature=[tf.TensorSpec([None], tf.float32)] * 2)
+    for n in (0, 1, 17, 5000):
+        r, g = _auto_inputs(n)
+        want = np.float32(ref.auto_threshold(r + g, rule))
+        assert fn(tf.constant(r), tf.constant(g)).numpy().view(np.int32) == want.view(np.int32)
+    r, g = _auto_inputs(300)
+    g16 = g.astype(np.float16)
+    want = np.float32(ref.auto_threshold(r + g16.astype(np.float32), rule))
+    got = auto_threshold(tf.constant(r.reshape(10, 30)), tf.constant(g16.reshape(30, 10)), rule)
+    assert got.numpy().view(np.int32) == want.view(np.int32)
+
+
+@pytest.mark.skipif(not tf.config.list_physical_devices("GPU"), reason="needs a GPU")
+@pytest.mark.parametrize("rule", ["opt", "mean", "rms", "mean*3"])
+def test_auto_threshold_gpu_matches_reference(rule):
+    from horovod_twobit.tensorflow import auto_threshold
+    for n in (17, 100003, 2 ** 22 + 5):
+        r, g = _auto_inputs(n)
+        with tf.device("/GPU:0"):
+            fn = tf.function(lambda r, g: auto_threshold(r, g, rule))
+            got = fn(tf.constant(r), tf.constant(g))
+            assert "GPU" in got.device
+        want = np.float32(ref.auto_threshold(r + g, rule))
+        assert got.numpy().view(np.int32) == want.view(np.int32), (n, got.numpy(), want)
+
+
+def test_auto_threshold_of_zeros_and_non_finite():
+    from horovod_twobit.tensorflow import auto_threshold
+    tiny = np.finfo(np.float32).tiny
+    assert auto_threshold(tf.zeros(32), tf.zeros(32)).numpy() == tiny
+    assert auto_threshold(tf.zeros(32), tf.fill([32], 1e-44)).numpy() == tiny
+    assert np.isnan(auto_threshold(tf.zeros(3), tf.constant([1.0, np.nan, 0.0])).numpy())
+    assert auto_threshold(tf.zeros(3), tf.constant([1.0, np.inf, 0.0])).numpy() == np.inf
+    with pytest.raises(ValueError, match="unknown automatic threshold rule 'median'"):
+        auto_threshold(tf.zeros(3), tf.zeros(3), "median")
+
+
+def test_auto_compressor_construction(monkeypatch):
+    from horovod_twobit.tensorflow import TwoBitCompressor
+    monkeypatch.delenv("HOROVOD_TWOBIT_AUTO_RULE", raising=False)
+    c = TwoBitCompressor("auto")
+    assert c.threshold == "auto" and c.auto_rule == "opt"
+    assert repr(c) == "TwoBitCompressor(threshold='auto')"
+    assert c.state_dict()["threshold"] == "auto"
+    monkeypatch.setenv("HOROVOD_TWOBIT_AUTO_RULE", "rms")
+    assert TwoBitCompressor("auto").auto_rule == "rms"
+    monkeypatch.setenv("HOROVOD_TWOBIT_AUTO_RULE", "RMS")
+    with pytest.raises(ValueError,
+                       match=r"HOROVOD_TWOBIT_AUTO_RULE must be one of \('mean', 'rms', 'opt'\)"):
+        TwoBitCompressor("auto")
+    monkeypatch.delenv("HOROVOD_TWOBIT_AUTO_RULE")
+    for bad in ["Auto", "", None, "auto ", "0.5"]:
+        with pytest.raises(ValueError, match="positive number or the string 'auto'"):
+            TwoBitCompressor(bad)
+
+
+def _exchanger(compressors, key, graph, receivers=None):
+    """One exchange among simulated ranks without Horovod: each builds its payload, the payloads
+    are concatenated as an allgather would, and each rank in ``receivers`` (default: all) finishes
+    on the same buffer. Returns a function of the ranks' gradients -> (payloads, results)."""
+    from horovod.tensorflow import mpi_ops
+    from horovod_twobit.tensorflow import communicator
+    receivers = range(len(compressors)) if receivers is None else receivers
+
+    def step(*gs):
+        exs = [communicator.Exchange(c, g, key, mpi_ops.Average, 1.0, 1.0, len(compressors))
+               for c, g in zip(compressors, gs)]
+        gathered = tf.concat([ex.payload for ex in exs], axis=0)
+        # opaque, like a real allgather, whose size is known only at run time (a static size
+        # would let Grappler turn the average's division into a multiplication)
+        gathered = tf.numpy_function(lambda a: a, [gathered], tf.int32, stateful=True)
+        return [ex.payload for ex in exs], [exs[i].finish(gathered) for i in receivers]
+
+    step = tf.function(step) if graph else step
+    return lambda grads: step(*[tf.constant(g) for g in grads])
+
+
+@pytest.mark.parametrize("rule", ["opt", "mean", "rms", "mean*3"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_auto_exchange_headers_and_per_sender_decode(monkeypatch, graph, rule):
+    """Each payload's header carries FLAG_AUTO and its sender's t (float32 bits); every receiver
+    decodes each payload with that sender's t; residuals follow the NumPy simulation."""
+    from horovod_twobit import wire
+    from horovod_twobit.tensorflow import TwoBitCompressor
+    monkeypatch.setenv("HOROVOD_TWOBIT_AUTO_RULE", rule)
+    nranks, n = 3, 37
+    cs = [TwoBitCompressor("auto") for _ in range(nranks)]
+    sim = ref.Workers(nranks, "auto", rule=rule)
+    rng = np.random.default_rng(3)
+    exchange = _exchanger(cs, "w", graph)
+    for step in range(4):
+        scale = [0.01, 1.0, 30.0]  # very different scales: one t per sender
+        grads = [(rng.standard_normal(n) * s).astype(np.float32) for s in scale]
+        payloads, outs = exchange(grads)
+        want = sim.allreduce("w", grads)
+        ts = sim.last_thresholds["w"]
+        assert len(set(float(t) for t in ts)) == nranks
+        for rank in range(nranks):
+            p = payloads[rank].numpy()
+            h = wire.Header(p[:wire.HEADER_WORDS])
+            assert h.auto and not h.nonfinite and h.numel == n
+            assert p[4] == np.float32(ts[rank]).view(np.int32)
+            np.testing.assert_array_equal(_bits(outs[rank].numpy()), _bits(want))
+            np.testing.assert_array_equal(_bits(cs[rank].residuals.variable("w").numpy()),
+                                          _bits(sim.residuals[rank]["w"]))
+
+
+def test_auto_and_fixed_refuse_to_mix():
+    from horovod_twobit.tensorflow import PayloadMismatchError, TwoBitCompressor
+    cs = [TwoBitCompressor("auto"), TwoBitCompressor(0.5)]
+    with pytest.raises(PayloadMismatchError, match="some ranks use threshold='auto'"):
+        _exchanger(cs, "m", graph=False)([np.ones(20, np.float32)] * 2)
+
+
+@pytest.mark.parametrize("threshold", ["auto", 0.1])
+def test_senders_summed_in_rank_order(threshold):
+    """Inside a graph the sum equals the reference's float32 sum in rank order, bit for bit. A
+    chain of Adds would be regrouped by Grappler (combine_add_to_addn; AddN adds in chunks of 8)
+    and round differently (with a fixed threshold from 10 senders on; with "auto", whose senders'
+    thresholds differ, wherever the regrouped order rounds otherwise)."""
+    from horovod_twobit.tensorflow import TwoBitCompressor
+    n, nranks = 4000, 10
+    cs = [TwoBitCompressor(threshold) for _ in range(nranks)]
+    rng = np.random.default_rng(nranks)
+    grads = [(rng.standard_normal(n) * s).astype(np.float32)
+             for s in rng.choice([0.05, 0.2, 1.0], nranks)]
+    want = ref.Workers(nranks, threshold).allreduce("w", grads)
+    _, outs = _exchanger(cs, "w", graph=True, receivers=[0])(grads)
+    np.testing.assert_array_equal(_bits(outs[0].numpy()), _bits(want))

@@ -21,6 +21,9 @@ VARS = ["hidden/bias", "hidden/kernel", "out/bias", "out/kernel"]
     ("tape_function", 3, 0, 0.5),
     ("keras", 2, 0, 0.5),
     ("keras", 3, 2, 0.1),
+    # threshold="auto": each rank's own t per tensor and step, carried in the header
+    ("tape_function", 2, 0, "auto"),
+    ("keras", 3, 2, "auto"),
 ])
 def test_training_matches_simulation(tmp_path, mode, np_, groups, threshold):
     jobs.run(np_, "tf_train.py", "--out", tmp_path, "--mode", mode, "--steps", 20,
@@ -38,6 +41,8 @@ def test_training_matches_simulation(tmp_path, mode, np_, groups, threshold):
     w = ref.Workers(np_, threshold)
     for i in range(2):
         expect = w.allreduce("direct", [r["direct_in/%d" % i] for r in ranks])
+        if threshold == "auto":  # one t per sender, each decoded with its own
+            assert len(set(float(t) for t in w.last_thresholds["direct"])) == np_
         for r in ranks:
             np.testing.assert_array_equal(r["direct_out/%d" % i], expect)
     # hvd.grouped_allreduce(name="grp", op=hvd.Sum): floats compressed as "grp.<i>", int32 exact
@@ -86,6 +91,13 @@ ERRORS = {
     "op": ("ValueError", r"op=hvd.Average and op=hvd.Sum only \(got hvd.Max\)"),
     "adasum": ("ValueError", r"got hvd.Adasum"),
     "sparse": ("ValueError", r"tf.IndexedSlices.*sparse_as_dense=True"),
+    "auto_mixed": ("PayloadMismatchError",
+                   r"tensor 'x': some ranks use threshold='auto' and others a fixed threshold "
+                   r"\[True, False\].*same threshold"),
+    "auto_mixed_tape": ("PayloadMismatchError",
+                        r"tensor 'v': some ranks use threshold='auto' and others a fixed threshold "
+                        r"\[False, True\]"),
+    "auto_nonfinite": None,
     "sparse_as_dense": None,
     "nonfinite": None,
     "uninstalled": None,

@@ -18,6 +18,8 @@ with open(make_vectors.PATH) as _f:
     VECTORS = json.load(_f)
 CASES = VECTORS["cases"]
 IDS = [c["name"] for c in CASES]
+AUTO = VECTORS["auto_cases"]
+AUTO_IDS = [c["name"] for c in AUTO]
 
 
 def f32(values):
@@ -34,6 +36,7 @@ def test_file_is_what_the_reference_makes():
     names = set(IDS)
     assert {"layout_0xE3", "random_n0_t0.5", "random_n1_t0.5", "random_n15_t0.1", "random_n16_t0.5",
             "random_n17_t0.001", "random_n100_t0.1"} <= names
+    assert {"auto_zeros", "auto_empty", "auto_mean_n17", "auto_rms_n100"} <= set(AUTO_IDS)
 
 
 def test_layout_example_is_0xE3():
@@ -87,3 +90,38 @@ def test_payloads_cross_frameworks(case):
         in_torch = hpt.decode(torch.from_numpy(from_tf.numpy()), n, t).numpy()
         np.testing.assert_array_equal(bits(in_tf), bits(in_torch))
         np.testing.assert_array_equal(bits(in_tf), bits(f32(step["decoded"])))
+
+
+def _check_auto_step(step, n, t_bits, words, residual, decoded):
+    assert t_bits == step["threshold_bits"]
+    assert list(words) == step["words"]
+    np.testing.assert_array_equal(bits(residual), bits(f32(step["residual"])))
+    np.testing.assert_array_equal(bits(decoded), bits(f32(step["decoded"])))
+
+
+@pytest.mark.parametrize("case", AUTO, ids=AUTO_IDS)
+def test_auto_torch(case):
+    torch = pytest.importorskip("torch")
+    from horovod_twobit.torch import decode, encode, kernels
+    n = case["numel"]
+    r = torch.zeros(n)
+    for step in case["steps"]:
+        g = torch.from_numpy(f32(step["grad"]))
+        t = kernels.auto_threshold(r, g, case["rule"])
+        words = encode(g, r, float(t))
+        _check_auto_step(step, n, int(t.reshape(1).view(torch.int32)[0]), words.tolist(),
+                         r.numpy(), decode(words, n, float(t)).numpy())
+
+
+@pytest.mark.parametrize("case", AUTO, ids=AUTO_IDS)
+def test_auto_tensorflow(case):
+    tf = pytest.importorskip("tensorflow")
+    from horovod_twobit.tensorflow import auto_threshold, decode, encode
+    n = case["numel"]
+    r = tf.Variable(tf.zeros([n]))
+    for step in case["steps"]:
+        g = tf.constant(f32(step["grad"]))
+        t = auto_threshold(r, g, case["rule"])
+        words = encode(g, r, float(t))
+        _check_auto_step(step, n, int(tf.bitcast(t, tf.int32)), words.numpy().tolist(),
+                         r.numpy(), decode(words, n, float(t)).numpy())

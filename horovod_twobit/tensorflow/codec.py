@@ -4,6 +4,9 @@ No state, no communication, no NumPy: the same code runs eagerly and inside ``tf
 and GPU. The words are built as bytes and reinterpreted with ``tf.bitcast``, so their memory layout
 is the one the PyTorch and NumPy codecs produce (MXNet's): byte k of a word holds values 4k..4k+3,
 the first of them in the byte's two highest bits.
+
+Thresholds are numbers, or (for ``threshold="auto"``) 0-d float32 tensors from
+:func:`auto_threshold`.
 """
 
 import tensorflow as tf
@@ -12,15 +15,78 @@ from .. import wire
 
 _SHIFTS = (6, 4, 2, 0)
 
+AUTO_RULES = ("mean", "rms", "opt")
+OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+FLT_MIN = 2.0 ** -126  # the smallest normal float32
+
 
 def _flat32(grad):
     g = tf.reshape(grad, [-1])
     return g if g.dtype == tf.float32 else tf.cast(g, tf.float32)
 
 
+def _t(threshold):
+    """The threshold as a float32 tensor: a number (fixed) or a 0-d float32 tensor (automatic)."""
+    if tf.is_tensor(threshold):
+        if threshold.dtype != tf.float32:
+            raise TypeError("a threshold tensor must be float32, got %s" % threshold.dtype.name)
+        return threshold
+    return tf.constant(threshold, tf.float32)
+
+
+def auto_threshold(residual, grad, rule="opt"):
+    """The automatic threshold of ``residual + grad`` (the error-compensated values) as a 0-d
+    float32 tensor, computed with TF ops (no host sync; eagerly or inside ``tf.function``).
+
+    ``mean``: the mean absolute value; ``rms``: the root mean square; ``opt``: among c * mean for c
+    in :data:`OPT_MULTIPLES`, the value that minimises the squared error of the ternary code; a
+    ``*K`` suffix multiplies the result by K (for studies). The sum runs in float64, is
+    divided by the number of values in float64 (``rms``: then the square root), and is rounded to
+    float32 once; the result is never below the smallest normal float32 (so zeros are never sent),
+    and it is 1.0 for an empty tensor. It matches :func:`horovod_twobit.reference.auto_threshold`
+    (and the PyTorch binding) bit for bit: a float64 sum of float32 values differs between summation
+    orders by far less than half a float32 ulp, so only astronomically rare ties round differently.
+
+    ``residual`` is a tensor or a variable (its current value is read) with as many values as
+    ``grad``; gradients of other float dtypes are converted to float32 before the add."""
+    rule, _, k = rule.partition("*")
+    if rule not in AUTO_RULES:
+        raise ValueError("unknown automatic threshold rule %r (known: %s)" % (rule, AUTO_RULES))
+    if isinstance(grad, tf.IndexedSlices):
+        raise TypeError("grad is a tf.IndexedSlices: densify it first")
+    r = tf.reshape(tf.convert_to_tensor(residual), [-1])
+    if r.dtype != tf.float32:
+        raise TypeError("residual must be float32, got %s" % r.dtype.name)
+    x = r + _flat32(tf.convert_to_tensor(grad))
+    n = x.shape.num_elements()
+    if n == 0:
+        return tf.ones([], tf.float32)
+    a = tf.cast(tf.abs(x), tf.float64)
+    total = tf.reduce_sum(a * a) if rule == "rms" else tf.reduce_sum(a)
+    count = tf.cast(tf.size(x, out_type=tf.int64), tf.float64)
+    # Not total / count: inside a tf.function Grappler turns a division by a constant into a
+    # multiplication by its reciprocal, which is not the correctly rounded quotient NumPy computes.
+    # DivNoNan is left alone (and count > 0 here).
+    t = tf.math.divide_no_nan(total, count)
+    if rule == "rms":
+        t = tf.sqrt(t)
+    elif rule == "opt":
+        ts = t * tf.constant(OPT_MULTIPLES, tf.float64)
+        errs = tf.stack([tf.reduce_sum(tf.where(a >= ts[i], tf.square(a - ts[i]), a * a))
+                         for i in range(len(OPT_MULTIPLES))])
+        t = tf.gather(ts, tf.argmin(errs))
+    if k:
+        t = t * float(k)
+    t = tf.cast(t, tf.float32)
+    t = tf.where(t < FLT_MIN, tf.constant(FLT_MIN, tf.float32), t)  # NaN stays NaN
+    if n is None:  # a length known only at run time
+        t = tf.where(tf.equal(tf.size(x), 0), tf.constant(1.0, tf.float32), t)
+    return t
+
+
 def codes(x, threshold):
     """uint8 codes of float32 values: 3 (``11``) where x >= t, 2 (``10``) where x <= -t, else 0."""
-    t = tf.constant(threshold, tf.float32)
+    t = _t(threshold)
     zero = tf.zeros_like(x, dtype=tf.uint8)
     return tf.where(x >= t, tf.constant(wire.CODE_POS, tf.uint8) + zero,
                     tf.where(x <= -t, tf.constant(wire.CODE_NEG, tf.uint8) + zero, zero))
@@ -49,10 +115,23 @@ def unpack(words, numel):
 
 def values(c, threshold):
     """float32 values of codes: +t for ``11``, -t for ``10``, 0 otherwise."""
-    t = tf.constant(threshold, tf.float32)
+    t = _t(threshold)
     zero = tf.zeros(tf.shape(c), tf.float32)
     return tf.where(tf.equal(c, wire.CODE_POS), t + zero,
                     tf.where(tf.equal(c, wire.CODE_NEG), -t + zero, zero))
+
+
+def accumulate(acc, c, threshold):
+    """``acc`` plus the float32 values of codes ``c`` (:func:`values`), one rounding per element:
+    acc + t for ``11``, acc - t for ``10``, acc otherwise (acc is never -0, so this equals acc + 0).
+
+    Summing decoded rows as a chain of Adds would let Grappler's ``combine_add_to_addn`` regroup
+    them into an AddN (which itself adds in chunks of 8): float32 rounding then differs from the
+    reference's sum in rank order, with one threshold per sender (``"auto"``, from 3 ranks on) or
+    with a fixed one (from 10 ranks on). Each Add here feeds a Select, which nothing regroups."""
+    t = _t(threshold)
+    return tf.where(tf.equal(c, wire.CODE_POS), acc + t,
+                    tf.where(tf.equal(c, wire.CODE_NEG), acc - t, acc))
 
 
 def quantize_pack(grad, residual, threshold):
@@ -66,7 +145,7 @@ def committed(grad, residual_value, threshold):
     """The residual after one error-feedback step: r <- (r + g) - q, with q the ternary value
     :func:`quantize_pack` sent for the same (grad, residual). The float32 operations are MXNet's,
     in its order, so the bits are MXNet's. Returns a 1-D tensor."""
-    t = tf.constant(threshold, tf.float32)
+    t = _t(threshold)
     x = tf.reshape(residual_value, [-1]) + _flat32(grad)
     return tf.where(x >= t, x - t, tf.where(x <= -t, x + t, x))
 

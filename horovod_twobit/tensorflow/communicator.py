@@ -2,11 +2,13 @@
 
 Packed words cannot go through a summing allreduce, so each rank allgathers ``header + words``
 (2 bits per value plus 20 bytes), checks that every rank sent a compatible payload, decodes each one
-and sums them in rank order. Every rank runs the same float32 arithmetic on the same bytes, so the
-result is bitwise identical everywhere (and equal to the PyTorch binding's and the NumPy
-reference's). The residual is updated only after the gather, and only when no rank's gradient held
-NaN or Inf; otherwise every rank's result is NaN (so loss scalers skip the step) and every residual
-stays as it was.
+and sums them in rank order. With ``threshold="auto"`` each rank chooses its threshold from its own
+r + g (:func:`~horovod_twobit.tensorflow.codec.auto_threshold`), sends it in header word 4 with
+:data:`~horovod_twobit.wire.FLAG_AUTO`, and every receiver decodes each payload with its sender's.
+Every rank runs the same float32 arithmetic on the same bytes, so the result is bitwise identical
+everywhere (and equal to the PyTorch binding's and the NumPy reference's). The residual is updated
+only after the gather, and only when no rank's gradient held NaN or Inf; otherwise every rank's
+result is NaN (so loss scalers skip the step) and every residual stays as it was.
 
 Everything here is TensorFlow ops and runs eagerly or inside ``tf.function`` alike. The header check
 is decided by TF ops from the gathered bytes alone (so every rank decides the same way); only when
@@ -33,7 +35,7 @@ class Exchange:
     def __init__(self, compressor, tensor, key, op, prescale, postscale, nranks):
         self.tensor = tensor
         self.key = key
-        self.threshold = compressor.threshold
+        self.mode = compressor.threshold  # a number, or "auto"
         self.op = op
         self.scale = float(prescale) * float(postscale)
         self.nranks = int(nranks)
@@ -41,28 +43,41 @@ class Exchange:
         self.residual = compressor.residuals.get(key, tensor)
         self.grad = codec._flat32(tensor)
         self.before = self.residual.read_value()
+        self.auto = self.mode == "auto"
+        if self.auto:
+            # chosen from r + g on this rank and carried in the header (word 4, float32 bits); the
+            # residual commit uses the same value. A tensor: no host sync.
+            self.threshold = codec.auto_threshold(self.before, self.grad, compressor.auto_rule)
+            head = wire.make_header(self.numel, 1.0, wire.FLAG_AUTO)
+            tbits = tf.reshape(tf.bitcast(self.threshold, tf.int32), [1])
+        else:
+            self.threshold = self.mode
+            head = wire.make_header(self.numel, self.threshold)
+            tbits = tf.constant(head[4:], tf.int32)
         words = codec.quantize_pack(self.grad, self.before, self.threshold)
-        head = wire.make_header(self.numel, self.threshold)
         nonfinite = tf.logical_not(tf.reduce_all(tf.math.is_finite(self.grad)))
-        flags = tf.cast(nonfinite, tf.int32) * wire.FLAG_NONFINITE
+        flags = tf.bitwise.bitwise_or(tf.cast(nonfinite, tf.int32) * wire.FLAG_NONFINITE, head[1])
         self.payload = tf.concat([tf.constant(head[:1], tf.int32), tf.reshape(flags, [1]),
-                                  tf.constant(head[2:], tf.int32), words], axis=0)
+                                  tf.constant(head[2:4], tf.int32), tbits, words], axis=0)
 
     def finish(self, gathered):
         """Checks, decodes and sums the gathered payloads; commits the residual; returns the result
         (the tensor's shape and dtype)."""
         n, t = self.numel, self.threshold
         raw = gathered
-        gathered, checked = validated(raw, n, t, self.nranks, self.key)
+        gathered, checked = validated(raw, n, self.mode, self.nranks, self.key)
         rows = tf.reshape(gathered, [self.nranks, wire.HEADER_WORDS + wire.num_words(n)])
+        # "auto": each sender's payload is decoded with that sender's threshold, from its header
+        ts = tf.bitcast(rows[:, 4], tf.float32) if self.auto else None
         # ``checked`` is True once the header check passed (it raises otherwise). Using it as data
         # makes the result and the residual update wait for the check in a graph.
         bad = tf.logical_or(tf.logical_not(checked), tf.reduce_any(tf.not_equal(
             tf.bitwise.bitwise_and(rows[:, 1], wire.FLAG_NONFINITE), 0)))
         out = None
-        for i in range(self.nranks):  # in rank order, as the reference does
-            d = codec.values(codec.unpack(rows[i, wire.HEADER_WORDS:], n), t)
-            out = d if out is None else out + d
+        for i in range(self.nranks):  # in rank order, as the reference does (see codec.accumulate)
+            c = codec.unpack(rows[i, wire.HEADER_WORDS:], n)
+            ti = ts[i] if self.auto else t
+            out = codec.values(c, ti) if out is None else codec.accumulate(out, c, ti)
         out = tf.where(bad, tf.constant(np.nan, tf.float32), out)
         if self.op == mpi_ops.Average:
             # Divided by the number of payloads gathered, a run-time value: Grappler rewrites a
@@ -85,27 +100,33 @@ class Exchange:
 def validated(gathered, numel, threshold, nranks, key):
     """Returns ``(fitted, checked)``: ``gathered`` cut or padded to ``nranks`` payloads of this
     rank's size, and a boolean tensor that is True once every rank's header is known to agree with
-    this rank's. Raises PayloadMismatchError on every rank otherwise (eagerly: here; in a graph:
-    when the check op runs).
+    this rank's (``threshold``: this rank's number, or ``"auto"``: then every header must carry
+    :data:`~horovod_twobit.wire.FLAG_AUTO`, and the thresholds may differ). Raises
+    PayloadMismatchError on every rank otherwise (eagerly: here; in a graph: when the check op
+    runs).
 
     In a graph the check is a stateful op (so it always runs), but TensorFlow does not reliably run
     it before ops that merely carry a control dependency on it: so nothing downstream may fail on a
     buffer of the wrong size and pre-empt the check's error (hence the fitted buffer), and what must
     wait for the check takes ``checked`` as data."""
     stride = wire.HEADER_WORDS + wire.num_words(numel)
-    head = wire.make_header(numel, threshold)
+    auto = isinstance(threshold, str) and threshold == "auto"
+    head = wire.make_header(numel, 1.0 if auto else threshold)
 
-    # If every header equals this rank's (format, size, fixed threshold) then every rank's own
-    # header, being among them, equals this one and every rank decides True; if not, every rank
-    # decides False and parses the same bytes on the host. The decision is the same on every rank.
+    # If every header equals this rank's (format, size, fixed threshold or "auto") then every
+    # rank's own header, being among them, equals this one and every rank decides True; if not,
+    # every rank decides False and parses the same bytes on the host. The decision is the same on
+    # every rank.
     need = nranks * stride
     size = tf.size(gathered)
     fitted = tf.pad(gathered[:need], [[0, tf.maximum(0, need - size)]])
     h = tf.reshape(fitted, [nranks, stride])[:, :wire.HEADER_WORDS]
-    same = tf.reduce_all(tf.equal(tf.gather(h, [0, 2, 3, 4], axis=1),
-                                  tf.constant([[head[0], head[2], head[3], head[4]]], tf.int32)))
-    fixed = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(h[:, 1], wire.FLAG_AUTO), 0))
-    ok = tf.logical_and(tf.equal(size, need), tf.logical_and(same, fixed))
+    cols = [0, 2, 3] if auto else [0, 2, 3, 4]
+    same = tf.reduce_all(tf.equal(tf.gather(h, cols, axis=1),
+                                  tf.constant([[head[c] for c in cols]], tf.int32)))
+    flag = tf.bitwise.bitwise_and(h[:, 1], wire.FLAG_AUTO)
+    mode = tf.reduce_all(tf.not_equal(flag, 0) if auto else tf.equal(flag, 0))
+    ok = tf.logical_and(tf.equal(size, need), tf.logical_and(same, mode))
     if tf.executing_eagerly():
         if not bool(ok):
             _raise_mismatch(gathered.numpy(), nranks, key)

@@ -1,6 +1,7 @@
 """``TwoBitCompressor``: MXNet's 2-bit compression with error feedback, as a Horovod compressor for
 TensorFlow 2 and Keras."""
 
+import os
 import threading
 import warnings
 
@@ -10,6 +11,7 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from .. import wire
+from .codec import AUTO_RULES
 
 
 class _Unrouted:
@@ -180,7 +182,7 @@ class TwoBitCompressor(Compressor, tf.Module):
     Trade-offs: an extra float32 residual per tensor (the memory of the gradients once more); the
     allgather costs each rank N payloads, so traffic grows with the number of workers; the
     threshold must match the gradients' scale (MXNet's default 0.5 suits plain SGD with gradients
-    of order 0.1-1; a threshold far above them delays every update).
+    of order 0.1-1; a threshold far above them delays every update), unless it is ``"auto"``.
 
     Use it where Horovod takes ``compression=``: ``hvd.DistributedGradientTape(tape,
     compression=TwoBitCompressor(0.5))``, ``hvd.DistributedOptimizer(opt, compression=...)`` (the
@@ -197,17 +199,30 @@ class TwoBitCompressor(Compressor, tf.Module):
     twobit=compressor)`` saves and restores them (one checkpoint per rank: residuals are per rank);
     :meth:`state_dict` / :meth:`load_state_dict` do the same with NumPy arrays.
 
+    Automatic threshold: with ``threshold="auto"`` each rank chooses, for every tensor and step,
+    the t that minimises the squared error of the ternary code of x = r + g among c * mean|x| (c in
+    0.5 ... 8), and sends it in the payload header (float32), with no extra communication round;
+    receivers decode each sender's payload with that sender's t. The rule and the evidence for it
+    are the PyTorch binding's (:class:`horovod_twobit.torch.TwoBitCompressor`; README's "Automatic
+    threshold"). ``HOROVOD_TWOBIT_AUTO_RULE`` (``opt``, the default, ``mean``, ``rms``, optionally
+    ``*K``), read when the compressor is built, selects another rule (:attr:`auto_rule`); every rank
+    must use the same. The value is :func:`horovod_twobit.tensorflow.auto_threshold`, bit for bit
+    the NumPy reference's and the PyTorch binding's, so both frameworks interoperate in "auto" mode
+    too. It costs two extra read passes over r and g per step (float64 reductions).
+
     Args:
-        threshold: a positive number (MXNet's default 0.5).
+        threshold: a positive number (MXNet's default 0.5), or ``"auto"``.
         name: the module's name.
     """
 
     def __init__(self, threshold=0.5, name=None):
         tf.Module.__init__(self, name=name or "twobit_compressor")
         threshold = wire.validate_threshold(threshold)
-        if threshold == "auto":
-            raise NotImplementedError("threshold='auto' is not available yet; pass a number")
         self._threshold = threshold
+        self.auto_rule = os.environ.get("HOROVOD_TWOBIT_AUTO_RULE", "opt")
+        if self.auto_rule.partition("*")[0] not in AUTO_RULES:
+            raise ValueError("HOROVOD_TWOBIT_AUTO_RULE must be one of %s, got %r"
+                             % (AUTO_RULES, self.auto_rule))
         self.residuals = Residuals()
         self._plain = _Plain()  # the router's cache of eager exchange functions
         self._warned = threading.Event()

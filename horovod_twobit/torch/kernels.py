@@ -124,7 +124,7 @@ AUTO_RULES = ("mean", "rms", "opt")
 _FLT_MIN = torch.finfo(torch.float32).tiny
 
 
-def auto_threshold(r, g, rule="mean"):
+def auto_threshold(r, g, rule="opt"):
     """The automatic threshold of r + g as a 0-d float32 tensor on their device (no host sync):
     the mean absolute value (``mean``) or the root mean square (``rms``), summed in float64,
     rounded to float32 once, and never below the smallest normal float32 (so zeros are never

@@ -9,6 +9,10 @@ bits through a double (so JSON keeps it exactly); ``words`` are signed int32 val
 the payload in memory order (little-endian words), as hex. Each case starts from a zero residual and
 applies ``steps`` in order: ``encode(grad, residual, threshold)`` must return ``words`` and leave
 ``residual``; ``decode(words, numel, threshold)`` must return ``decoded``.
+
+``auto_cases`` are the same for ``threshold="auto"``: each step first chooses
+``threshold = auto_threshold(residual + grad, rule)`` (``threshold_bits``: its float32 bits, the
+header's word 4), then encodes and decodes with it.
 """
 
 import json
@@ -47,6 +51,26 @@ def _case(name, threshold, grads, note=""):
     return {"name": name, "threshold": threshold, "numel": n, "note": note, "steps": steps}
 
 
+def _auto_case(name, rule, grads, note=""):
+    n = len(grads[0])
+    r = np.zeros(n, np.float32)
+    steps = []
+    for g in grads:
+        g = np.asarray(g, dtype=np.float32)
+        t = np.float32(ref.auto_threshold(r + g, rule))
+        words = ref.encode(g, r, t)
+        steps.append({
+            "grad": _floats(g),
+            "threshold": float(t),
+            "threshold_bits": int(t.view(np.int32)),
+            "words": [int(w) for w in words],
+            "residual": _floats(r),
+            "decoded": _floats(ref.decode(words, n, t)),
+        })
+    return {"name": name, "threshold": "auto", "rule": rule, "numel": n, "note": note,
+            "steps": steps}
+
+
 def build():
     cases = [
         _case("layout_0xE3", 0.5, [[0.5, -0.5, 0.0, 0.7]],
@@ -61,9 +85,17 @@ def build():
         grads = [(rng.standard_normal(n) * t * rng.choice([0.1, 0.7, 3.0], n)).astype(np.float32)
                  for _ in range(3)]
         cases.append(_case("random_n%d_t%g" % (n, t), t, grads))
+    auto = [_auto_case("auto_zeros", "mean", [[0.0] * 5],
+                       "all zeros: the smallest normal float32, so nothing is sent"),
+            _auto_case("auto_empty", "mean", [[]], "an empty tensor: 1.0")]
+    for rule in ("opt", "mean", "rms"):
+        for n in (1, 17, 100):
+            grads = [(rng.standard_normal(n) * rng.choice([0.001, 0.1, 3.0], n)).astype(np.float32)
+                     for _ in range(3)]
+            auto.append(_auto_case("auto_%s_n%d" % (rule, n), rule, grads))
     return {"format_version": wire.FORMAT_VERSION, "values_per_word": wire.VALUES_PER_WORD,
             "generator": "tests/vectors/make_vectors.py (horovod_twobit.reference)",
-            "cases": cases}
+            "cases": cases, "auto_cases": auto}
 
 
 def dumps(data):

@@ -49,6 +49,37 @@ def case_threshold_keras():
     model.fit(np.ones((8, 4), np.float32), np.ones((8, 3), np.float32), batch_size=8, verbose=0)
 
 
+def case_auto_mixed():
+    c = TwoBitCompressor("auto" if rank == 0 else 0.5)
+    hvd.allreduce(tf.ones([40]), name="x", compression=c)
+
+
+def case_auto_mixed_tape():
+    c = TwoBitCompressor(0.5 if rank == 0 else "auto")
+    v = tf.Variable(tf.ones([40]), name="v")
+    tape_grads(c, lambda: tf.reduce_sum(v * v), [v])
+
+
+def case_auto_nonfinite():
+    """threshold="auto" with an Inf on one rank: every rank gets NaN, no residual moves, and the
+    next step equals the simulation's as if the Inf step never happened."""
+    c = TwoBitCompressor("auto")
+    sim = ref.Workers(size, "auto")
+    gs = [np.random.default_rng(r).standard_normal(20).astype(np.float32) * (r + 1)
+          for r in range(size)]
+    fn = tf.function(lambda t: hvd.allreduce(t, name="anf", compression=c))
+    np.testing.assert_array_equal(fn(tf.constant(gs[rank])).numpy(), sim.allreduce("anf", gs))
+    bad = gs[rank].copy()
+    if rank == size - 1:
+        bad[3] = np.inf
+    before = c.residuals.variable("anf").numpy().copy()
+    out = fn(tf.constant(bad))
+    assert np.isnan(out.numpy()).all(), out
+    np.testing.assert_array_equal(c.residuals.variable("anf").numpy(), before)
+    np.testing.assert_array_equal(fn(tf.constant(gs[rank])).numpy(), sim.allreduce("anf", gs))
+    return "OK"
+
+
 def case_size():
     hvd.allreduce(tf.ones([40 + 20 * rank]), name="x", compression=TwoBitCompressor(0.5))
 

@@ -18,7 +18,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--mode", required=True, choices=["tape_eager", "tape_function", "keras"])
 p.add_argument("--steps", type=int, default=20)
-p.add_argument("--threshold", type=float, default=0.5)
+p.add_argument("--threshold", type=lambda v: v if v == "auto" else float(v), default=0.5)
 p.add_argument("--groups", type=int, default=0)
 args = p.parse_args()
 
