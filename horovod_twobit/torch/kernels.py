@@ -5,8 +5,7 @@ The quantize/pack and commit bodies are plain torch ops. For tensors of at least
 vectorized loop on CPU and GPU); below that, or where compilation is unavailable or disabled
 (``HOROVOD_TWOBIT_COMPILE=0``), the same bodies run eagerly. Both paths give the same bits: the
 bodies use only exact float32 operations (add, compare, subtract a threshold, select) whose results
-do not depend on fusion. Decoding needs no compiler: it is a table lookup per byte (``index_select``),
-which is as fast on both.
+do not depend on fusion. Decode-sum works word by word, each word's 16 values one vector.
 
 Compiled graphs are dynamic in the tensor length, so Inductor compiles once per (function, dtype,
 device), never per step. The threshold and divisor travel as 0-d tensors, so a
@@ -36,8 +35,9 @@ _disabled = os.environ.get("HOROVOD_TWOBIT_COMPILE", "1") == "0"
 def _codes_body(r, g, t):
     """uint8 codes of ternary(r + g) (3: +t, 2: -t, 0), and whether r + g held NaN or Inf."""
     x = r + g.to(torch.float32)
-    pos = (x >= t).to(torch.uint8)
-    return ((x <= -t).to(torch.uint8) | pos) * 2 + pos, ~torch.isfinite(x).all()
+    # torch.where with integer constants: Inductor vectorizes it (bool-to-uint8 arithmetic it does not)
+    c = torch.where(x >= t, wire.CODE_POS, torch.where(x <= -t, wire.CODE_NEG, wire.CODE_ZERO))
+    return c.to(torch.uint8), ~torch.isfinite(x).all()
 
 
 def _bytes_body(w):
@@ -158,6 +158,9 @@ def pack(r, g, threshold):
     n = g.numel()
     m = n - n % wire.VALUES_PER_WORD
     t = _t(threshold, g.device)
+    if m == n and n:  # whole words: the packed bytes are the payload, no copy
+        b, bad = _pack_main(r, g, t)
+        return b.view(torch.int32), bad
     words = torch.empty(wire.num_words(n), dtype=torch.int32, device=g.device)
     byts = words.view(torch.uint8)
     flags = []
@@ -183,54 +186,44 @@ def commit(r, g, threshold):
         _call("commit", r.numel(), r, g, _t(threshold, r.device))
 
 
-_BYTE_CODES = {}
-JOINT_MIN_BYTES = 1 << 16
+_SHIFTS = {}
+# value k of a word sits in byte k // 4 (memory order; little-endian, so bits 8 * (k // 4) up),
+# in that byte's bits 7-6, 5-4, 3-2, 1-0 for k % 4 = 0, 1, 2, 3
+SHIFTS = [8 * (k // 4) + 6 - 2 * (k % 4) for k in range(wire.VALUES_PER_WORD)]
 
 
-def _lut(t, device):
-    """(256, 4) float32: the four values each byte decodes to (+t for 11, -t for 10, else 0)."""
-    c = _BYTE_CODES.get(device)
-    if c is None:
-        b = torch.arange(256, dtype=torch.int32, device=device)
-        c = _BYTE_CODES[device] = torch.stack([(b >> s) & 3 for s in (6, 4, 2, 0)], dim=1)
-    t = _t(t, device)
-    return torch.where(c == 3, t, torch.where(c == 2, -t, torch.zeros_like(t)))
+def _shifts(device):
+    sh = _SHIFTS.get(device)
+    if sh is None:
+        sh = _SHIFTS[device] = torch.tensor(SHIFTS, dtype=torch.int32, device=device)
+    return sh
 
 
-def _gather(table, idx):
-    """table[idx] for a (K, 4) float32 table: rows gathered as 16-byte complex128 elements, the
-    fastest native gather (bits are copied, never computed on: finite float32 pairs are never a
-    NaN double)."""
-    return table.view(torch.complex128).view(-1).index_select(0, idx).view(torch.float32)
+def _decode_body(words, ts, shifts, divisor, scale):
+    """Sum over ranks, in rank order, of the decoded values of each rank's int32 words (16 values
+    a word, laid out as (words, 16) so the inner loop is one vector), then / divisor, * scale."""
+    out = None
+    for i in range(len(words)):
+        c = (words[i].unsqueeze(1) >> shifts) & 3
+        t = ts[i]
+        v = torch.where(c == wire.CODE_POS, t, torch.where(c == wire.CODE_NEG, -t, torch.zeros_like(t)))
+        out = v if out is None else out + v
+    return (out / divisor * scale).reshape(-1)
+
+
+_BODIES["decode"] = _decode_body
 
 
 def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
     """float32 sum, in rank order, of the decoded ``rows`` (1-D int32 words, one per rank, each
-    with ``thresholds[i]``), divided by ``divisor`` and multiplied by ``scale``.
-
-    Decoding is a table lookup per byte: each byte gathers its four float32 values. For large
-    tensors the first two ranks share one 65536-entry table of their sums (with the division and
-    scale folded in when there are only two), so their bytes are read once and the output written
-    once. The float32 operations and their order are those of the reference: v0 + v1 + ... then
-    / divisor, then * scale."""
+    with ``thresholds[i]``), divided by ``divisor`` and multiplied by ``scale``: the reference's
+    float32 operations in the reference's order (v0 + v1 + ..., then / divisor, then * scale).
+    The padding codes of the last word are 00, so decoding whole words and keeping the first
+    ``numel`` values is exact."""
     dev = rows[0].device
-    nbytes = wire.num_words(numel) * 4
     if numel == 0:
         return torch.empty(0, dtype=torch.float32, device=dev)
-    d, s = _t(divisor, dev), _t(scale, dev)
-    luts = [_lut(t, dev) for t in thresholds]
-    byts = [w.view(torch.uint8)[:nbytes].to(torch.int32) for w in rows]
-    last = len(rows) == 1 or (len(rows) == 2 and nbytes >= JOINT_MIN_BYTES)
-    if len(rows) >= 2 and nbytes >= JOINT_MIN_BYTES:
-        joint = (luts[0].unsqueeze(1) + luts[1].unsqueeze(0)).reshape(65536, 4)
-        out = _gather(joint / d * s if last else joint, byts[0] * 256 + byts[1])
-        rest = 2
-    else:
-        out = _gather(luts[0] / d * s if last else luts[0], byts[0])
-        rest = 1
-    for i in range(rest, len(rows)):
-        out += _gather(luts[i], byts[i])
-    if not last:
-        out /= d
-        out *= s
+    nw = wire.num_words(numel)
+    out = _call("decode", numel, [w[:nw] for w in rows], [_t(t, dev) for t in thresholds],
+                _shifts(dev), _t(divisor, dev), _t(scale, dev))
     return out[:numel]
