@@ -121,3 +121,17 @@ def test_router_leaves_horovods_own_references_alone():
     finally:
         _routing.install()
     assert hvd.allreduce is _routing.allreduce
+
+
+def test_min_numel_leaves_small_tensors_uncompressed():
+    from horovod_twobit.torch import TwoBitCompressor
+    from horovod_twobit.torch.compressor import pending_of
+    c = TwoBitCompressor(0.5, min_numel=100)
+    small, ctx = c.compress(torch.ones(99))
+    assert pending_of(small) is None and ctx is None
+    big, ctx = c.compress(torch.ones(100))
+    assert pending_of(big) is ctx and ctx is not None
+    assert pending_of(TwoBitCompressor(0.5).compress(torch.ones(1))[0]) is not None
+    for bad in (-1, 1.5, "10", True):
+        with pytest.raises(ValueError, match="min_numel"):
+            TwoBitCompressor(0.5, min_numel=bad)
