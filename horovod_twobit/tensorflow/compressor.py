@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from horovod.tensorflow.compression import Compressor
 
-from .. import wire
+from .. import state, wire
 from .codec import AUTO_RULES
 
 
@@ -261,31 +261,20 @@ class TwoBitCompressor(Compressor, tf.Module):
         """This rank's residuals (NumPy copies) keyed by tensor name, with the threshold, rank and
         number of ranks they belong to (the PyTorch binding's layout). Residuals are per rank: save
         one per rank. Eager only."""
-        rank, size = rank_size()
-        return {"format_version": wire.FORMAT_VERSION, "threshold": self._threshold,
-                "rank": rank, "size": size, "residuals": self.residuals.state_dict()}
+        return state.make(self._threshold, *rank_size(), self.residuals.state_dict())
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, saved):
         """Restores residuals saved by :meth:`state_dict` (of either binding: values are arrays).
         Eager only.
 
         A residual belongs to the rank that made it. If the state was saved by another rank or
         with another number of ranks, the residuals restart from zero with a warning (what was not
         yet sent is dropped: at most one threshold per value and rank)."""
-        if not isinstance(state, dict) or "residuals" not in state:
-            raise ValueError("not a TwoBitCompressor state_dict: expected a dict with 'residuals'")
-        if state.get("threshold") != self._threshold:
-            warnings.warn("horovod-twobit: restoring residuals saved with threshold %r into a "
-                          "compressor with threshold %r" % (state.get("threshold"), self._threshold))
-        rank, size = rank_size()
-        saved = (state.get("rank", rank), state.get("size", size))
-        if saved != (rank, size):
-            warnings.warn("horovod-twobit: residuals were saved by rank %d of %d, this is rank %d "
-                          "of %d; they restart from zero. Save compressor.state_dict() per rank to "
-                          "restore them exactly." % (saved[0], saved[1], rank, size))
+        residuals = state.residuals_to_load(saved, self._threshold, *rank_size())
+        if residuals is None:
             self.residuals.reset()
-            return
-        self.residuals.load_state_dict({k: np.asarray(v) for k, v in state["residuals"].items()})
+        else:
+            self.residuals.load_state_dict({k: np.asarray(v) for k, v in residuals.items()})
 
     def reset(self):
         """Sets every residual back to zero."""

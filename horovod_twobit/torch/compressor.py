@@ -8,7 +8,7 @@ import torch
 
 from horovod.torch.compression import Compressor
 
-from .. import wire
+from .. import state, wire
 from ..registry import ResidualRegistry
 from .kernels import AUTO_RULES
 
@@ -127,31 +127,20 @@ class TwoBitCompressor(Compressor):
     def state_dict(self):
         """This rank's residuals (CPU copies) keyed by tensor name, with the threshold, rank and
         number of ranks they belong to. Residuals are per rank: save one file per rank."""
-        rank, size = _rank_size()
-        return {"format_version": wire.FORMAT_VERSION, "threshold": self.threshold,
-                "rank": rank, "size": size, "residuals": self.residuals.state_dict()}
+        return state.make(self.threshold, *_rank_size(), self.residuals.state_dict())
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, saved):
         """Restores residuals saved by :meth:`state_dict`; each is moved to its gradient's device
         on first use.
 
         A residual belongs to the rank that made it. If the state was saved by another rank or
         with another number of ranks, the residuals restart from zero with a warning (what was
         not yet sent is dropped: at most one threshold per value and rank)."""
-        if not isinstance(state, dict) or "residuals" not in state:
-            raise ValueError("not a TwoBitCompressor state_dict: expected a dict with 'residuals'")
-        if state.get("threshold") != self.threshold:
-            warnings.warn("horovod-twobit: restoring residuals saved with threshold %r into a "
-                          "compressor with threshold %r" % (state.get("threshold"), self.threshold))
-        rank, size = _rank_size()
-        saved = (state.get("rank", rank), state.get("size", size))
-        if saved != (rank, size):
-            warnings.warn("horovod-twobit: residuals were saved by rank %d of %d, this is rank %d "
-                          "of %d; they restart from zero. Save compressor.state_dict() per rank to "
-                          "restore them exactly." % (saved[0], saved[1], rank, size))
+        residuals = state.residuals_to_load(saved, self.threshold, *_rank_size())
+        if residuals is None:
             self.residuals.reset()
-            return
-        self.residuals.load_state_dict(state["residuals"])
+        else:
+            self.residuals.load_state_dict(residuals)
 
     def reset(self):
         """Forgets every residual (they restart from zero)."""
