@@ -1,4 +1,5 @@
-"""Fused codec kernels: one pass over memory for each of pack, commit and decode-sum.
+"""Codec kernels: quantize/pack (a codes pass and a byte-packing pass), commit (one pass) and
+decode-sum (one pass over every rank's payload, writing the output once).
 
 The quantize/pack and commit bodies are plain torch ops. For tensors of at least
 ``COMPILE_MIN_NUMEL`` values they run through ``torch.compile`` (Inductor fuses each body into one
@@ -12,8 +13,9 @@ device), never per step. The threshold and divisor travel as 0-d tensors, so a
 new value does not recompile either.
 
 Extra memory per tensor: the float32 residual (persistent), the packed payload (n/4 bytes) and the
-gathered payloads (N * n/4 bytes) while a step is in flight; the eager path adds float32 and uint8
-temporaries of the tensor's size.
+gathered payloads (N * n/4 bytes) while a step is in flight, plus the codes (one byte per value)
+between the two pack passes; the eager path adds float32 and integer temporaries of the tensor's
+size.
 """
 
 import os
@@ -102,12 +104,9 @@ def _run(name, *args):
     return _BODIES[name](*args)
 
 
-def _pick(numel):
-    return "compiled" if numel >= COMPILE_MIN_NUMEL and not _disabled else "eager"
-
-
 def _call(name, numel, *args):
-    if _pick(numel) == "compiled":
+    """The compiled body for tensors of at least COMPILE_MIN_NUMEL values, else the eager one."""
+    if numel >= COMPILE_MIN_NUMEL and not _disabled:
         return _run(name, *args)
     return _BODIES[name](*args)
 
