@@ -90,3 +90,15 @@ def test_demo_runs_and_plots(tmp_path):
     assert "twobit epoch  2" in res.output and "ratio 15.7x" in res.output, res
     assert "final test accuracy" in res.output
     assert png.exists() and png.stat().st_size > 1000
+
+
+def test_process_set(tmp_path):
+    jobs.run(3, "torch_pset.py", tmp_path)
+    ranks = [dict(np.load(tmp_path / ("rank%d.npz" % r))) for r in range(3)]
+    w = ref.Workers(2, 0.5)
+    for i in range(3):
+        want = w.allreduce("ps", [ranks[r]["in/%d" % i] for r in range(2)])
+        for r in range(2):
+            np.testing.assert_array_equal(ranks[r]["out/%d" % i], want)
+    np.testing.assert_array_equal(ranks[0]["w"], ranks[1]["w"])
+    assert "w" not in ranks[2]
