@@ -35,3 +35,15 @@ def check_training(ranks, threshold, steps, op="average", dtype=np.float32):
         for r in ranks[1:]:
             np.testing.assert_array_equal(r["w/" + n], ranks[0]["w/" + n])
     return sim
+
+
+# The codec tests of both frameworks run on the same sizes, thresholds and gradients.
+SIZES = [0, 1, 15, 16, 17, 1000, 2 ** 20 + 3]
+THRESHOLDS = [0.5, 0.1, 1e-3]
+
+
+def grads(n, t, steps, seed):
+    """Gradients with a mix of values far below, near and far above the threshold t."""
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(n) * t * rng.choice([0.1, 0.7, 3.0], n)).astype(np.float32)
+            for _ in range(steps)]

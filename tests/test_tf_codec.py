@@ -7,15 +7,9 @@ import tensorflow as tf
 from horovod_twobit import reference as ref
 from horovod_twobit.tensorflow import decode, encode
 
-SIZES = [0, 1, 15, 16, 17, 1000, 2 ** 20 + 3]
-THRESHOLDS = [0.5, 0.1, 1e-3]
+import sim
 
-
-def _grads(n, t, steps, seed):
-    rng = np.random.default_rng(seed)
-    # a mix of values far below, near and far above the threshold
-    return [(rng.standard_normal(n) * t * rng.choice([0.1, 0.7, 3.0], n)).astype(np.float32)
-            for _ in range(steps)]
+SIZES, THRESHOLDS, _grads = sim.SIZES, sim.THRESHOLDS, sim.grads
 
 
 def _bits(a):
