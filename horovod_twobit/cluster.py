@@ -71,6 +71,15 @@ SSH_KEYGEN = "/usr/bin/ssh-keygen"
 STATE_DIR = "/run/horovod-twobit-cluster"
 
 
+
+def _kill_group(proc):
+    """SIGKILLs the process group ``proc`` leads (started with start_new_session) and reaps it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
 class ClusterUnavailable(RuntimeError):
     """This machine cannot host a virtual cluster (not root, no ``ip netns``, no sshd, ...)."""
 
@@ -668,17 +677,7 @@ class VirtualCluster:
         except subprocess.TimeoutExpired:
             chunks.append("\n[horovod_twobit.cluster: killed after %ss]\n" % timeout)
         finally:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-            else:
-                try:  # mpirun/ssh children left in the launcher's process group
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            _kill_group(proc)  # also mpirun/ssh children left in the launcher's process group
             t.join(timeout=10)
             self.kill_stragglers()
         return Result(rc, "".join(chunks), time.time() - t0, argv)
@@ -726,11 +725,7 @@ class VirtualCluster:
         finally:
             for h, p, f in procs:
                 if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    p.wait()
+                    _kill_group(p)
             self.kill_stragglers()
         output = []
         for h, p, f in procs:

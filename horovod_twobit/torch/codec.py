@@ -39,13 +39,9 @@ def quantize_pack(grad, residual, threshold):
 def commit(grad, residual, threshold):
     """Applies one error-feedback step to ``residual`` in place: r <- (r + g) - q, with q the
     ternary value :func:`quantize_pack` sent for the same (grad, residual). The float32 operations
-    are MXNet's, in its order, so the bits are MXNet's."""
-    if residual.is_contiguous():
-        kernels.commit(residual.view(-1), flat(grad), threshold)
-    else:
-        r = residual.reshape(-1).clone()
-        kernels.commit(r, flat(grad), threshold)
-        residual.copy_(r.view_as(residual))
+    are MXNet's, in its order, so the bits are MXNet's. ``residual`` must be contiguous (the
+    registry's are; :func:`encode` makes a contiguous copy of any other)."""
+    kernels.commit(residual.view(-1), flat(grad), threshold)
 
 
 def encode(grad, residual, threshold):
