@@ -219,9 +219,19 @@ def _exchanger(compressors, key, graph, receivers=None):
     return lambda grads: step(*[tf.constant(g) for g in grads])
 
 
+@pytest.fixture(params=["plain", "xla"])
+def path(request, monkeypatch):
+    """Runs a test with the codec's plain TF ops and with its XLA-compiled passes (which otherwise
+    start at 65536 values)."""
+    from horovod_twobit.tensorflow import kernels
+    monkeypatch.setattr(kernels, "DISABLED", False)
+    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if request.param == "xla" else 1 << 62)
+    return request.param
+
+
 @pytest.mark.parametrize("rule", ["opt", "mean", "rms", "mean*3"])
 @pytest.mark.parametrize("graph", [False, True])
-def test_auto_exchange_headers_and_per_sender_decode(monkeypatch, graph, rule):
+def test_auto_exchange_headers_and_per_sender_decode(monkeypatch, graph, rule, path):
     """Each payload's header carries FLAG_AUTO and its sender's t (float32 bits); every receiver
     decodes each payload with that sender's t; residuals follow the NumPy simulation."""
     from horovod_twobit import wire
@@ -257,7 +267,7 @@ def test_auto_and_fixed_refuse_to_mix():
 
 
 @pytest.mark.parametrize("threshold", ["auto", 0.1])
-def test_senders_summed_in_rank_order(threshold):
+def test_senders_summed_in_rank_order(threshold, path):
     """Inside a graph the sum equals the reference's float32 sum in rank order, bit for bit. A
     chain of Adds would be regrouped by Grappler (combine_add_to_addn; AddN adds in chunks of 8)
     and round differently (with a fixed threshold from 10 senders on; with "auto", whose senders'
@@ -271,3 +281,39 @@ def test_senders_summed_in_rank_order(threshold):
     want = ref.Workers(nranks, threshold).allreduce("w", grads)
     _, outs = _exchanger(cs, "w", graph=True, receivers=[0])(grads)
     np.testing.assert_array_equal(_bits(outs[0].numpy()), _bits(want))
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_sum_scale_and_non_finite_through_both_paths(graph, path):
+    """op=Sum with a postscale, a partial last word, then a step in which one rank's gradient
+    holds NaN: every result NaN, every residual as it was; the step after is the reference's."""
+    from horovod.tensorflow import mpi_ops
+    from horovod_twobit.tensorflow import TwoBitCompressor, communicator
+    n, nranks, t = 1000 + 7, 2, 0.1
+    cs = [TwoBitCompressor(t) for _ in range(nranks)]
+    sim = ref.Workers(nranks, t)
+
+    def step(*gs):
+        exs = [communicator.Exchange(c, g, "s", mpi_ops.Sum, 1.0, 0.5, nranks)
+               for c, g in zip(cs, gs)]
+        gathered = tf.numpy_function(lambda a: a, [tf.concat([e.payload for e in exs], 0)],
+                                     tf.int32, stateful=True)
+        return [e.finish(gathered) for e in exs]
+
+    step = tf.function(step) if graph else step
+    for k, g in enumerate(zip(_grads(n, t, 3, 11), _grads(n, t, 3, 12))):
+        g = [x.copy() for x in g]
+        if k == 1:
+            g[1][5] = np.nan
+        before = [c.residuals.variable("s").numpy().copy() for c in cs] if k else None
+        outs = step(*[tf.constant(x) for x in g])
+        if k == 1:
+            for c, o, b in zip(cs, outs, before):
+                assert np.isnan(o.numpy()).all()
+                np.testing.assert_array_equal(_bits(c.residuals.variable("s").numpy()), _bits(b))
+            continue
+        want = sim.allreduce("s", g, op="sum", postscale=0.5)
+        for rank, o in enumerate(outs):
+            np.testing.assert_array_equal(_bits(o.numpy()), _bits(want))
+            np.testing.assert_array_equal(_bits(cs[rank].residuals.variable("s").numpy()),
+                                          _bits(sim.residuals[rank]["s"]))

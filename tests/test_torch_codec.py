@@ -74,9 +74,12 @@ def test_cuda_matches_cpu():
     assert torch.equal(decode(w1, 100003, 0.5), decode(w2, 100003, 0.5).cpu())
 
 
+@pytest.mark.parametrize("chunk", [1 << 22, 48])
 @pytest.mark.parametrize("path", ["eager", "compiled"])
-def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path):
+def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path, chunk):
+    """Both paths, with the packing done in one chunk or in many (48 values: 3 words each)."""
     from horovod_twobit.torch import kernels
+    monkeypatch.setattr(kernels, "PACK_CHUNK", chunk)
     monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
     monkeypatch.setattr(kernels, "_disabled", False)
     for n in (16, 1000, 4099):
@@ -91,6 +94,31 @@ def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path):
         got = kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5)
         want = ref.aggregate([ref.decode(w.numpy(), n, 0.1) for w in rows], "average", 0.5, 1.0)
         np.testing.assert_array_equal(got.numpy(), want)
+    assert not kernels._disabled, "compilation failed and fell back to eager"
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("into", ["gradient", "new tensor"])
+def test_finish_commits_and_decodes_in_one_pass(monkeypatch, path, dtype, into):
+    """kernels.finish = commit (r <- r + g - q) + decode-sum, written over g or into a new tensor:
+    the reference's bits either way, the tail of a partial last word included."""
+    from horovod_twobit.torch import kernels
+    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    monkeypatch.setattr(kernels, "_disabled", False)
+    for n in (16, 1000, 4099):
+        g = torch.from_numpy(_grads(n, 0.1, 1, n + 1)[0]).to(dtype)
+        g32 = g.float().numpy()
+        r_ref = np.linspace(-0.15, 0.15, n, dtype=np.float32)
+        r = torch.from_numpy(r_ref.copy())
+        rows = [torch.from_numpy(ref.encode(x, np.zeros(n, np.float32), 0.1)) for x in _grads(n, 0.1, 2, 3)]
+        want_sum = ref.aggregate([ref.decode(w.numpy(), n, 0.1) for w in rows], "average", 0.5, 1.0)
+        ref.encode(g32, r_ref, 0.1)  # the commit this rank's own step makes
+        out = None if into == "gradient" else torch.empty(n, dtype=dtype)
+        got = kernels.finish(rows, [0.1, 0.1], r, g, 0.1, divisor=2, scale=0.5, out=out)
+        assert got is (g if out is None else out)
+        np.testing.assert_array_equal(r.numpy(), r_ref)
+        np.testing.assert_array_equal(got.numpy(), torch.from_numpy(want_sum).to(dtype).numpy())
     assert not kernels._disabled, "compilation failed and fell back to eager"
 
 

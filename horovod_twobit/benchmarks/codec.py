@@ -1,17 +1,30 @@
 """Codec throughput against the machine's own memory bandwidth.
 
-    python -m horovod_twobit.benchmarks.codec [--sizes 1K,64K,1M,16M,64M] [--ranks 2] [--device cpu,cuda]
+    python -m horovod_twobit.benchmarks.codec [--sizes 1K,64K,1M,16M,64M] [--ranks 2]
+        [--device cpu,cuda] [--frameworks torch,tensorflow] [--paths compiled,eager]
 
-For each size and device it prints, in GB/s of float32 gradient (4 bytes per value):
-- encode: one step of error feedback and packing (``quantize_pack`` + ``commit``: read g and r,
-  write the packed words, write r),
-- decode-sum: decoding and summing the payloads of ``--ranks`` ranks into one float32 output,
+For each framework, size and device it prints, in GB/s of float32 gradient (4 bytes per value):
+- encode: what a rank does before the gather (``quantize_pack``: read g and r, threshold, write
+  the packed words),
+- decode-sum: what it does after the gather, in one pass (``kernels.finish``): the residual update
+  r <- r + g - q, and the decoded sum of ``--ranks`` payloads written over the gradient, as
+  ``hvd.DistributedOptimizer``'s in-place allreduce does,
 - probe: an in-place ``r.add_(g)`` over the same bytes (read g and r, write r), the memory
   bandwidth a fused pass can hope for,
-and each codec figure as a percentage of the probe, for the compiled and the eager path.
+and each codec figure as a percentage of the probe, for the compiled path (PyTorch: torch.compile;
+TensorFlow: XLA) and the eager one (TensorFlow: the same ops in a ``tf.function`` without XLA).
+TensorFlow's probe is ``Variable.assign_add`` in a ``tf.function``; its decode-sum writes a new
+tensor and assigns the residual, as its communicator does.
+
+The residual update runs after the gather, not in the encode pass, because a step in which any
+rank's gradient held NaN or Inf must leave every residual as it was; it shares the decode pass.
+Every call writes into memory that already exists: a fresh output tensor of more than 32 MB costs
+page faults on every call (glibc returns such blocks to the system), as it does for Horovod's own
+out-of-place allreduce.
 """
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -47,7 +60,7 @@ def _time_round_robin(fns, device, min_time=0.5, max_rounds=200):
 
 
 def measure(n, device, ranks=2, path="compiled", threshold=0.5):
-    """Returns a dict of GB/s figures for one size, device and path."""
+    """Returns a dict of GB/s figures for one size, device and path (PyTorch)."""
     old = kernels.COMPILE_MIN_NUMEL
     kernels.COMPILE_MIN_NUMEL = 0 if path == "compiled" else 1 << 62
     try:
@@ -55,18 +68,56 @@ def measure(n, device, ranks=2, path="compiled", threshold=0.5):
         r = torch.zeros(n, device=device)
         words, _ = codec.quantize_pack(g, r, threshold)
         rows = [words.clone() for _ in range(ranks)]
-
-        def encode():
-            codec.quantize_pack(g, r, threshold)
-            codec.commit(g, r, threshold)
+        ts = [threshold] * ranks
 
         t_enc, t_dec, t_probe = _time_round_robin(
-            [encode, lambda: kernels.decode_sum(rows, [threshold] * ranks, n, ranks),
+            [lambda: codec.quantize_pack(g, r, threshold),
+             lambda: kernels.finish(rows, ts, r, g, threshold, ranks),
              lambda: r.add_(g)], device)
     finally:
         kernels.COMPILE_MIN_NUMEL = old
     gb = 4 * n / 1e9
     return {"encode": gb / t_enc, "decode": gb / t_dec, "probe": gb / t_probe}
+
+
+def measure_tf(n, device, ranks=2, path="compiled", threshold=0.5):
+    """Returns a dict of GB/s figures for one size, device and path (TensorFlow)."""
+    import tensorflow as tf
+    from horovod_twobit.tensorflow import kernels as tfk
+
+    with tf.device("/%s:0" % device.type.upper().replace("CUDA", "GPU")):
+        g = tf.random.normal([n])
+        r = tf.Variable(tf.zeros([n]))
+        a = tf.Variable(tf.zeros([n]))
+        t = tf.constant(threshold, tf.float32)
+        xla = path == "compiled"
+        enc = tfk._encode_xla if xla else tf.function(tfk._encode_body, autograph=False)
+        fin_body = tfk._finish_xla if xla else tfk._finish_body
+
+        def finish(words, ts, bad, count):
+            out, new = fin_body(words, ts, bad, count, g, r.read_value(), t, True, 1.0, xla)
+            r.assign(new)
+            return out
+
+        fin = tf.function(finish, autograph=False)
+        def add():
+            a.assign_add(g, read_value=False)
+
+        probe = tf.function(add, autograph=False)
+        words, _ = enc(g, r.read_value(), t)
+        rows = tf.stack([words] * ranks)
+        ts, bad, count = tf.fill([ranks], t), tf.constant(False), tf.constant(float(ranks))
+        # a one-value read waits for the device (eager CPU calls are synchronous anyway)
+        times = _time_round_robin([lambda: enc(g, r.read_value(), t)[0][:1].numpy(),
+                                   lambda: fin(rows, ts, bad, count)[:1].numpy(),
+                                   lambda: (probe(), a[:1].numpy())], device)
+    gb = 4 * n / 1e9
+    return {"encode": gb / times[0], "decode": gb / times[1], "probe": gb / times[2]}
+
+
+def _tf_gpu():
+    import tensorflow as tf
+    return bool(tf.config.list_physical_devices("GPU"))
 
 
 def main(argv=None):
@@ -75,28 +126,29 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--device", default="cpu,cuda")
     p.add_argument("--paths", default="compiled,eager")
+    p.add_argument("--frameworks", default="torch,tensorflow")
     p.add_argument("--markdown", help="also write the table to this file")
     args = p.parse_args(argv)
     devices = [torch.device(d) for d in args.device.split(",")
                if d != "cuda" or torch.cuda.is_available()]
     rows = []
-    header = ("| device | values | path | encode GB/s | decode-sum GB/s | probe GB/s "
+    header = ("| framework | device | values | path | encode GB/s | decode-sum GB/s | probe GB/s "
               "| encode / probe | decode-sum / probe |")
     print(header)
-    print("|" + "---|" * 8)
-    for dev in devices:
-        for s in args.sizes.split(","):
-            n = _parse_size(s)
-            for path in args.paths.split(","):
-                m = measure(n, dev, args.ranks, path)
-                line = "| %s | %s | %s | %.2f | %.2f | %.2f | %.0f %% | %.0f %% |" % (
-                    dev.type, s.strip(), path, m["encode"], m["decode"], m["probe"],
-                    100 * m["encode"] / m["probe"], 100 * m["decode"] / m["probe"])
-                print(line, flush=True)
-                rows.append(line)
+    print("|" + "---|" * 9)
+    for fw, dev, size, path in itertools.product(args.frameworks.split(","), devices,
+                                                 args.sizes.split(","), args.paths.split(",")):
+        if fw == "tensorflow" and dev.type == "cuda" and not _tf_gpu():
+            continue
+        m = (measure if fw == "torch" else measure_tf)(_parse_size(size), dev, args.ranks, path)
+        line = "| %s | %s | %s | %s | %.2f | %.2f | %.2f | %.0f %% | %.0f %% |" % (
+            fw, dev.type, size.strip(), path, m["encode"], m["decode"], m["probe"],
+            100 * m["encode"] / m["probe"], 100 * m["decode"] / m["probe"])
+        print(line, flush=True)
+        rows.append(line)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write("\n".join([header, "|" + "---|" * 8] + rows) + "\n")
+            f.write("\n".join([header, "|" + "---|" * 9] + rows) + "\n")
 
 
 if __name__ == "__main__":

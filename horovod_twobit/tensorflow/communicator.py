@@ -26,7 +26,7 @@ import tensorflow as tf
 import horovod.tensorflow.mpi_ops as mpi_ops
 
 from .. import wire
-from . import codec
+from . import codec, kernels
 
 
 class Exchange:
@@ -54,8 +54,7 @@ class Exchange:
             self.threshold = self.mode
             head = wire.make_header(self.numel, self.threshold)
             tbits = tf.constant(head[4:], tf.int32)
-        words = codec.quantize_pack(self.grad, self.before, self.threshold)
-        nonfinite = tf.logical_not(tf.reduce_all(tf.math.is_finite(self.grad)))
+        words, nonfinite = kernels.encode(self.grad, tf.reshape(self.before, [-1]), self.threshold)
         flags = tf.bitwise.bitwise_or(tf.cast(nonfinite, tf.int32) * wire.FLAG_NONFINITE, head[1])
         self.payload = tf.concat([tf.constant(head[:1], tf.int32), tf.reshape(flags, [1]),
                                   tf.constant(head[2:4], tf.int32), tbits, words], axis=0)
@@ -73,22 +72,18 @@ class Exchange:
         # makes the result and the residual update wait for the check in a graph.
         bad = tf.logical_or(tf.logical_not(checked), tf.reduce_any(tf.not_equal(
             tf.bitwise.bitwise_and(rows[:, 1], wire.FLAG_NONFINITE), 0)))
-        out = None
-        for i in range(self.nranks):  # in rank order, as the reference does (see codec.accumulate)
-            c = codec.unpack(rows[i, wire.HEADER_WORDS:], n)
-            ti = ts[i] if self.auto else t
-            out = codec.values(c, ti) if out is None else codec.accumulate(out, c, ti)
-        out = tf.where(bad, tf.constant(np.nan, tf.float32), out)
         if self.op == mpi_ops.Average:
             # Divided by the number of payloads gathered, a run-time value: Grappler rewrites a
             # division by a constant into a multiplication by its reciprocal, which is not the same
             # float32 result (x / 3 != x * (1 / 3) for some x), and every binding must divide.
-            count = tf.size(raw) // (wire.HEADER_WORDS + wire.num_words(n))
-            out = out / tf.cast(count, tf.float32)
-        if self.scale != 1.0:
-            out = out * tf.constant(self.scale, tf.float32)
-        new = tf.where(bad, tf.reshape(self.before, [-1]),
-                       codec.committed(self.grad, self.before, t))
+            count = tf.cast(tf.size(raw) // (wire.HEADER_WORDS + wire.num_words(n)), tf.float32)
+        else:
+            count = tf.constant(1.0, tf.float32)
+        if ts is None:
+            ts = tf.fill([self.nranks], tf.constant(t, tf.float32))
+        out, new = kernels.finish(rows[:, wire.HEADER_WORDS:], ts, bad, count, self.grad,
+                                  tf.reshape(self.before, [-1]), t, self.op == mpi_ops.Average,
+                                  self.scale)
         update = self.residual.assign(new)
         with tf.control_dependencies([update]):
             result = tf.reshape(out, self.tensor.shape)

@@ -30,10 +30,11 @@ def flat(grad):
     return g.to(torch.float32) if g.dtype == torch.float64 else g
 
 
-def quantize_pack(grad, residual, threshold):
+def quantize_pack(grad, residual, threshold, out=None):
     """(words, non-finite flag) for ternary(residual + grad), without touching the residual
-    (see :func:`commit`). ``residual`` must be contiguous."""
-    return kernels.pack(residual.view(-1), flat(grad), threshold)
+    (see :func:`commit`). ``residual`` must be contiguous. The words go into ``out`` (1-D int32
+    of ceil(numel / 16) words) when given."""
+    return kernels.pack(residual.view(-1), flat(grad), threshold, out)
 
 
 def commit(grad, residual, threshold):

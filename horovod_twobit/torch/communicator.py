@@ -44,14 +44,16 @@ class Exchange:
         if auto:  # chosen from r + g on this rank, carried in the header; no host sync
             self.threshold = kernels.auto_threshold(self.residual.view(-1), codec.flat(tensor),
                                                     compressor.auto_rule)
-        words, nonfinite = codec.quantize_pack(tensor, self.residual, self.threshold)
-        header = torch.tensor(wire.make_header(tensor.numel(), 1.0 if auto else self.threshold,
-                                               wire.FLAG_AUTO if auto else 0),
-                              dtype=torch.int32, device=words.device)
+        self.payload = torch.empty(wire.HEADER_WORDS + wire.num_words(tensor.numel()),
+                                   dtype=torch.int32, device=tensor.device)
+        header = self.payload[:wire.HEADER_WORDS]  # the words are packed straight behind it
+        _, nonfinite = codec.quantize_pack(tensor, self.residual, self.threshold,
+                                           out=self.payload[wire.HEADER_WORDS:])
+        header.copy_(torch.tensor(wire.make_header(tensor.numel(), 1.0 if auto else self.threshold,
+                                                   wire.FLAG_AUTO if auto else 0), dtype=torch.int32))
         header[1] |= nonfinite.to(torch.int32) * wire.FLAG_NONFINITE
         if auto:
             header[4] = self.threshold.reshape(1).view(torch.int32)[0]
-        self.payload = torch.cat([header, words])
 
     def finish(self, gathered):
         """Decodes and sums the gathered payloads; commits the residual; returns the result."""
@@ -61,9 +63,15 @@ class Exchange:
             out = torch.full((n,), float("nan"), dtype=torch.float32, device=self.tensor.device)
         else:
             divisor = self.nranks if self.op == mpi_ops.Average else 1
-            out = kernels.decode_sum([w for _, w in parts], [h.threshold for h, _ in parts], n,
-                                     divisor, self.scale)
-            codec.commit(self.tensor, self.residual, self.threshold)
+            rows, ts = [w for _, w in parts], [h.threshold for h, _ in parts]
+            g, r = codec.flat(self.tensor), self.residual.view(-1)
+            if self.in_place and self.tensor.is_contiguous() and g.dtype == self.tensor.dtype:
+                # g is the tensor's own memory: commit and decode in one pass, written over it
+                kernels.finish(rows, ts, r, g, self.threshold, divisor, self.scale)
+                return self.tensor
+            out_dtype = self.tensor.dtype if self.tensor.dtype != torch.float64 else torch.float32
+            out = kernels.finish(rows, ts, r, g, self.threshold, divisor, self.scale,
+                                 out=torch.empty(n, dtype=out_dtype, device=self.tensor.device))
         result = out.view(self.tensor.shape).to(self.tensor.dtype)
         if self.in_place:
             self.tensor.copy_(result)

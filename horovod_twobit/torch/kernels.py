@@ -37,9 +37,12 @@ _disabled = os.environ.get("HOROVOD_TWOBIT_COMPILE", "1") == "0"
 def _codes_body(r, g, t):
     """uint8 codes of ternary(r + g) (3: +t, 2: -t, 0), and whether r + g held NaN or Inf."""
     x = r + g.to(torch.float32)
-    # torch.where with integer constants: Inductor vectorizes it (bool-to-uint8 arithmetic it does not)
-    c = torch.where(x >= t, wire.CODE_POS, torch.where(x <= -t, wire.CODE_NEG, wire.CODE_ZERO))
-    return c.to(torch.uint8), ~torch.isfinite(x).all()
+    # Float constants: Inductor blends float vectors and converts once (integer constants blend
+    # int64 vectors, bool-to-uint8 arithmetic does not vectorize); x - x is NaN exactly where x is
+    # NaN or Inf, a cheaper test than isfinite. 1.5x faster in cache, same codes.
+    c = torch.where(x >= t, float(wire.CODE_POS),
+                    torch.where(x <= -t, float(wire.CODE_NEG), float(wire.CODE_ZERO)))
+    return c.to(torch.uint8), ((x - x) != 0).any()
 
 
 def _bytes_body(w):
@@ -146,36 +149,44 @@ def auto_threshold(r, g, rule="opt"):
     return torch.where(t < _FLT_MIN, torch.full_like(t, _FLT_MIN), t)
 
 
-def _pack_main(r, g, t):
-    codes, bad = _call("codes", r.numel(), r, g, t)
-    return _call("bytes", r.numel(), codes.view(torch.int32)), bad
+PACK_CHUNK = 1 << 22  # values per codes pass: 4 MB of codes, written and read back from cache
 
 
-def pack(r, g, threshold):
+def _bytes_into_body(w, out):
+    out.copy_(_bytes_body(w))
+
+
+_BODIES["bytes_into"] = _bytes_into_body
+
+
+def pack(r, g, threshold, out=None):
     """(int32 words, non-finite flag as a 0-d bool tensor) for ternary(r + g); r and g are 1-D
-    with the same length; nothing is modified."""
+    with the same length; nothing is modified. The words go into ``out`` (1-D int32,
+    ceil(n / 16) long) when given, else into a new tensor.
+
+    Whole words run in chunks of PACK_CHUNK values, each a codes pass and a packing pass: the
+    chunk's codes (one byte per value) stay in cache between the two and their buffer is reused,
+    never a full-size temporary; the last, partial word is packed eagerly."""
     n = g.numel()
-    m = n - n % wire.VALUES_PER_WORD
-    t = _t(threshold, g.device)
-    if m == n and n:  # whole words: the packed bytes are the payload, no copy
-        b, bad = _pack_main(r, g, t)
-        return b.view(torch.int32), bad
-    words = torch.empty(wire.num_words(n), dtype=torch.int32, device=g.device)
+    words = out if out is not None else torch.empty(wire.num_words(n), dtype=torch.int32, device=g.device)
     byts = words.view(torch.uint8)
-    flags = []
-    if m:
-        b, bad = _pack_main(r[:m], g[:m], t)
-        byts[:m // 4].copy_(b)
-        flags.append(bad)
+    t = _t(threshold, g.device)
+    m = n - n % wire.VALUES_PER_WORD
+    flag = None
+    for a in range(0, m, PACK_CHUNK):
+        b = min(m, a + PACK_CHUNK)
+        codes, bad = _call("codes", m, r[a:b], g[a:b], t)
+        _call("bytes_into", m, codes.view(torch.int32), byts[a // 4:b // 4])
+        flag = bad if flag is None else flag | bad
     if m < n:
         pad = wire.VALUES_PER_WORD - (n - m)
         rt = torch.nn.functional.pad(r[m:], (0, pad))
         gt = torch.nn.functional.pad(g[m:].to(torch.float32), (0, pad))
         codes, bad = _codes_body(rt, gt, t)
         byts[m // 4:].copy_(_bytes_body(codes.view(torch.int32)))
-        flags.append(bad)
-    flag = flags[0] if len(flags) == 1 else (flags[0] | flags[1]) if flags else \
-        torch.zeros((), dtype=torch.bool, device=g.device)
+        flag = bad if flag is None else flag | bad
+    if flag is None:
+        flag = torch.zeros((), dtype=torch.bool, device=g.device)
     return words, flag
 
 
@@ -198,19 +209,34 @@ def _shifts(device):
     return sh
 
 
-def _decode_body(words, ts, shifts, divisor, scale):
-    """Sum over ranks, in rank order, of the decoded values of each rank's int32 words (16 values
-    a word, laid out as (words, 16) so the inner loop is one vector), then / divisor, * scale."""
+def _decoded(words, ts, shifts, divisor, scale):
+    """(words, 16) float32: the sum over ranks, in rank order, of each rank's decoded int32 words
+    (16 values a word, so the inner loop is one vector), then / divisor, * scale."""
     out = None
     for i in range(len(words)):
         c = (words[i].unsqueeze(1) >> shifts) & 3
         t = ts[i]
         v = torch.where(c == wire.CODE_POS, t, torch.where(c == wire.CODE_NEG, -t, torch.zeros_like(t)))
         out = v if out is None else out + v
-    return (out / divisor * scale).reshape(-1)
+    return out / divisor * scale
+
+
+def _decode_body(words, ts, shifts, divisor, scale):
+    return _decoded(words, ts, shifts, divisor, scale).reshape(-1)
+
+
+def _finish_body(words, ts, shifts, divisor, scale, r, g, t, out):
+    """One pass after the gather: r <- (r + g) - q (the commit), then the decode-sum written once,
+    into ``out``, or over ``g`` when ``out`` is None (every value of g is read before it is
+    written). r, g and out are (words, 16) views."""
+    x = r + g.to(torch.float32)
+    r.copy_(torch.where(x >= t, x - t, torch.where(x <= -t, x + t, x)))
+    dest = g if out is None else out
+    dest.copy_(_decoded(words, ts, shifts, divisor, scale).to(dest.dtype))
 
 
 _BODIES["decode"] = _decode_body
+_BODIES["finish"] = _finish_body
 
 
 def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
@@ -226,3 +252,28 @@ def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
     out = _call("decode", numel, [w[:nw] for w in rows], [_t(t, dev) for t in thresholds],
                 _shifts(dev), _t(divisor, dev), _t(scale, dev))
     return out[:numel]
+
+
+def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None):
+    """After the gather, in one pass: commits this rank's error-feedback step (r <- (r + g) - q,
+    as :func:`commit`) and writes the decode-sum of ``rows`` (as :func:`decode_sum`) into ``out``
+    (1-D, float32 or g's dtype, rounded from the float32 sum), or over ``g`` itself when ``out``
+    is None: the in-place allreduce of a gradient then needs no output allocation and no copy.
+    ``r`` is 1-D contiguous float32; ``g`` 1-D contiguous. Returns the tensor written."""
+    n = g.numel()
+    dest = g if out is None else out
+    if n == 0:
+        return dest
+    dev = g.device
+    m = n - n % wire.VALUES_PER_WORD
+    ts = [_t(t, dev) for t in thresholds]
+    t, divisor, scale = _t(threshold, dev), _t(divisor, dev), _t(scale, dev)
+    if m:
+        w = m // wire.VALUES_PER_WORD
+        _call("finish", m, [row[:w] for row in rows], ts, _shifts(dev), divisor, scale,
+              r[:m].view(w, 16), g[:m].view(w, 16), t, None if out is None else out[:m].view(w, 16))
+    if m < n:  # the last, partial word: commit its values, decode it whole, keep what is real
+        _commit_body(r[m:], g[m:], t)
+        last = [row[m // wire.VALUES_PER_WORD:wire.num_words(n)] for row in rows]
+        dest[m:].copy_(_decode_body(last, ts, _shifts(dev), divisor, scale)[:n - m].to(dest.dtype))
+    return dest
