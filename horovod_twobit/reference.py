@@ -13,6 +13,8 @@ _SHIFTS = np.array([6, 4, 2, 0], dtype=np.uint8)
 
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)
 OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+AUTO_RULES = ("lsq", "opt", "mean", "rms")
+DEFAULT_RULE = "lsq"
 
 
 def ternary_errors(a, ts):
@@ -21,39 +23,68 @@ def ternary_errors(a, ts):
     return [float(np.where(a >= t, (a - t) ** 2, a * a).sum()) for t in ts]
 
 
-def auto_threshold(x, rule="opt"):
-    """The automatic threshold of float32 values ``x`` (the error-compensated r + g).
+def lsq_scores(a, ts):
+    """For each support threshold t in ``ts``: (count, sum) of the absolute values ``a`` (float64)
+    with a >= t. The least-squares magnitude of that support is sum / count, and its squared
+    error is sum(a^2) - sum^2 / count: the largest sum^2 / count is the smallest error."""
+    return [(int((a >= t).sum()), float(np.where(a >= t, a, 0.0).sum())) for t in ts]
 
-    ``opt`` (the default of ``threshold="auto"``): among c * mean|x| for c in ``OPT_MULTIPLES``, the
-    value that minimises the squared error of the ternary code; ``mean``: the mean absolute value;
-    ``rms``: the root mean square; a ``*K`` suffix multiplies by K. Sums run in float64 and the
-    result is rounded to float32 once, so any summation order gives the same bits (in all but
+
+def auto_levels(x, rule=DEFAULT_RULE):
+    """``(threshold, magnitude)``, both float32, for float32 values ``x`` (the error-compensated
+    r + g): values with x >= threshold are sent as +magnitude, x <= -threshold as -magnitude.
+
+    ``lsq`` (the default of ``threshold="auto"``): for each support threshold c * mean|x|, c in
+    ``OPT_MULTIPLES``, the magnitude that minimises the squared error on that support is the mean of
+    |x| over it; the pair with the smallest error wins (the first on ties). ``opt``: among the same
+    thresholds, the one that minimises the error when the magnitude equals the threshold (MXNet's
+    code); ``mean``: the mean absolute value; ``rms``: the root mean square; for these three the
+    magnitude is the threshold. A ``*K`` suffix multiplies both by K. Sums run in float64 and each
+    value is rounded to float32 once, so any summation order gives the same bits (in all but
     astronomically rare cases). Never below the smallest normal float32, so zeros are never sent."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     if x.size == 0:
-        return np.float32(1.0)
+        return np.float32(1.0), np.float32(1.0)
     a = np.abs(x).astype(np.float64)
     rule, _, k = rule.partition("*")
     if rule == "mean":
-        t = a.sum() / x.size
-    elif rule == "opt":
+        t = v = a.sum() / x.size
+    elif rule in ("opt", "lsq"):
         m = a.sum() / x.size
         ts = [c * m for c in OPT_MULTIPLES]
-        errs = ternary_errors(a, ts)
-        t = ts[int(np.argmin(errs))]
+        if rule == "opt":
+            t = v = ts[int(np.argmin(ternary_errors(a, ts)))]
+        else:
+            scores = lsq_scores(a, ts)
+            best = int(np.argmax([s * s / c if c else 0.0 for c, s in scores]))
+            c, s = scores[best]
+            t = ts[best]
+            v = s / c if c else t
     elif rule == "rms":
-        t = np.sqrt((a * a).sum() / x.size)
+        t = v = np.sqrt((a * a).sum() / x.size)
     else:
         raise ValueError("unknown rule %r" % (rule,))
-    t = np.float32(t * float(k)) if k else np.float32(t)
-    return t if not (t < FLT_MIN) else FLT_MIN  # NaN stays NaN
+    levels = []
+    for y in (t, v):
+        y = np.float32(y * float(k)) if k else np.float32(y)
+        levels.append(y if not (y < FLT_MIN) else FLT_MIN)  # NaN stays NaN
+    return tuple(levels)
 
 
-def quantize(grad, residual, threshold):
-    """One step of error feedback on float32 arrays: r += g; q = ternary(r); r -= q.
+def auto_threshold(x, rule=DEFAULT_RULE):
+    """The threshold of :func:`auto_levels` (for ``mean``, ``rms`` and ``opt`` also the
+    magnitude)."""
+    return auto_levels(x, rule)[0]
+
+
+def quantize(grad, residual, threshold, magnitude=None):
+    """One step of error feedback on float32 arrays: r += g; q = ternary(r); r -= q, where q is
+    +magnitude for r >= threshold, -magnitude for r <= -threshold, else 0 (magnitude defaults to
+    the threshold: MXNet's scheme).
 
     Updates ``residual`` in place and returns the codes (uint8, one per value: 0, 2 or 3)."""
     t = np.float32(threshold)
+    v = t if magnitude is None else np.float32(magnitude)
     g = np.asarray(grad, dtype=np.float32).reshape(-1)
     r = residual.reshape(-1)
     assert r.dtype == np.float32
@@ -63,8 +94,8 @@ def quantize(grad, residual, threshold):
     codes = np.zeros(r.shape, dtype=np.uint8)
     codes[pos] = wire.CODE_POS
     codes[neg] = wire.CODE_NEG
-    r[pos] -= t
-    r[neg] -= -t
+    r[pos] -= v
+    r[neg] -= -v
     return codes
 
 
@@ -85,9 +116,9 @@ def unpack(words, numel):
     return codes.reshape(-1)[:numel]
 
 
-def encode(grad, residual, threshold):
+def encode(grad, residual, threshold, magnitude=None):
     """Quantizes with error feedback and packs: returns int32 words, updates ``residual``."""
-    return pack(quantize(grad, residual, threshold))
+    return pack(quantize(grad, residual, threshold, magnitude))
 
 
 def decode(words, numel, threshold):
@@ -118,14 +149,17 @@ def aggregate(decoded, op="average", prescale=1.0, postscale=1.0):
 class Workers:
     """N simulated workers with one residual per tensor name each: what N ranks of the real
     communicator compute, step by step. ``threshold`` may be ``"auto"`` (each rank picks its own
-    with :func:`auto_threshold` every step; ``rule`` names the rule)."""
+    with :func:`auto_levels` every step; ``rule`` names the rule). ``last_thresholds[name]``: the
+    value each rank put in its header at the last step (the magnitude it sent);
+    ``last_levels[name]``: each rank's (threshold, magnitude)."""
 
-    def __init__(self, nranks, threshold, rule="opt"):
+    def __init__(self, nranks, threshold, rule=DEFAULT_RULE):
         self.nranks = nranks
         self.threshold = threshold
         self.rule = rule
         self.residuals = [dict() for _ in range(nranks)]
         self.last_thresholds = {}
+        self.last_levels = {}
 
     def allreduce(self, name, grads, op="average", prescale=1.0, postscale=1.0):
         """``grads``: one array per rank. Returns the aggregated float32 array (same shape)."""
@@ -136,14 +170,15 @@ class Workers:
             for rank, g in enumerate(flat):
                 self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
             return np.full(shape, np.nan, dtype=np.float32)
-        decoded, ts = [], []
+        decoded, levels = [], []
         for rank, g in enumerate(flat):
             r = self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
-            t = self.threshold
+            t = v = self.threshold
             if t == "auto":
-                t = auto_threshold(r + g, self.rule)
-            ts.append(t)
-            words = encode(g, r, t)
-            decoded.append(decode(words, g.size, t))
-        self.last_thresholds[name] = ts
+                t, v = auto_levels(r + g, self.rule)
+            levels.append((t, v))
+            words = encode(g, r, t, v)
+            decoded.append(decode(words, g.size, v))
+        self.last_thresholds[name] = [v for _, v in levels]
+        self.last_levels[name] = levels
         return aggregate(decoded, op, prescale, postscale).reshape(shape)

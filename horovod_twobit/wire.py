@@ -1,7 +1,9 @@
 """The 2-bit wire format, shared by every binding.
 
 Codes follow MXNet: ``11`` is +t, ``10`` is -t, ``00`` is 0 (``01`` is never written and decodes
-to 0, as in MXNet). Sixteen values fill one 32-bit word; byte k of a word (in memory order) holds
+to 0, as in MXNet), t being the value in header word 4. With a numeric threshold that value is the
+threshold itself; with ``threshold="auto"`` it is the magnitude the sender chose (which may exceed
+the threshold that decided which values to send; receivers need only the magnitude). Sixteen values fill one 32-bit word; byte k of a word (in memory order) holds
 values 4k..4k+3 of that block, the first of them in the byte's two highest bits. n values take
 exactly ceil(n / 16) words and the unused codes of the last word are ``00``.
 
@@ -14,7 +16,8 @@ word  meaning
 1     flags: :data:`FLAG_NONFINITE` (the sender's gradient held NaN or Inf),
       :data:`FLAG_AUTO` (the threshold was chosen by the sender)
 2, 3  numel, low and high 32 bits
-4     the threshold the sender used, as float32 bits
+4     the value of the codes ``11`` / ``10`` (the threshold, or in "auto" mode the
+      magnitude), as float32 bits
 ====  ==========================================================================
 """
 

@@ -9,7 +9,7 @@ from horovod_twobit import wire
 from horovod_twobit.torch import TwoBitCompressor, kernels
 
 
-@pytest.mark.parametrize("rule", ["opt", "mean", "rms", "mean*3"])
+@pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms", "mean*3", "lsq*2"])
 @pytest.mark.parametrize("path", ["eager", "compiled"])
 @pytest.mark.parametrize("n", [0, 1, 17, 5000, 100003])
 def test_auto_threshold_matches_reference(monkeypatch, rule, path, n):
@@ -17,10 +17,30 @@ def test_auto_threshold_matches_reference(monkeypatch, rule, path, n):
     rng = np.random.default_rng(n)
     r = (rng.standard_normal(n) * 0.01).astype(np.float32)
     g = (rng.standard_normal(n) * rng.choice([0.001, 0.1, 3.0], n)).astype(np.float32)
-    got = kernels.auto_threshold(torch.from_numpy(r), torch.from_numpy(g), rule)
-    assert got.dtype == torch.float32 and got.dim() == 0
-    want = ref.auto_threshold(r + g, rule)
-    assert got.numpy().view(np.int32) == np.float32(want).view(np.int32)
+    got = kernels.auto_levels(torch.from_numpy(r), torch.from_numpy(g), rule)
+    want = ref.auto_levels(r + g, rule)
+    for y, w in zip(got, want):
+        assert y.dtype == torch.float32 and y.dim() == 0
+        assert y.numpy().view(np.int32) == np.float32(w).view(np.int32)
+    assert kernels.auto_threshold(torch.from_numpy(r), torch.from_numpy(g), rule).item() == want[0]
+
+
+def test_lsq_sends_the_least_squares_magnitude():
+    """lsq: the support is |x| >= t, and the magnitude sent is the mean of |x| over it, which
+    beats magnitude = threshold; every other rule sends the threshold itself."""
+    x = np.array([0.1, -0.1, 0.2, 1.0, -3.0, 0.05, 0.0, 2.0], np.float32)
+    t, v = ref.auto_levels(x, "lsq")
+    support = np.abs(x) >= t
+    assert support.sum() == 2 and np.isclose(v, np.abs(x[support]).mean())  # {-3, 2}: 5^2/2 > 6^2/3
+    err = lambda thr, mag: ((x - np.where(x >= thr, mag, np.where(x <= -thr, -mag, 0))) ** 2).sum()  # noqa
+    assert err(t, v) < err(t, t)
+    assert err(t, v) <= min(err(c, c) for c in np.abs(x) if c > 0)
+    for rule in ("opt", "mean", "rms"):
+        a, b = ref.auto_levels(x, rule)
+        assert a == b
+    r = np.zeros(8, np.float32)
+    words = ref.encode(x, r, t, v)
+    np.testing.assert_array_equal(r, x - ref.decode(words, 8, v))
 
 
 def test_auto_threshold_of_zeros_sends_nothing():

@@ -26,3 +26,22 @@ def test_convergence_study_smoke(tmp_path):
     assert mlp["none"]["bytes"] == 2 * mlp["fp16"]["bytes"] > 15 * mlp["auto"]["bytes"]
     assert "| mlp (test acc) | momentum |" in (tmp_path / "table.md").read_text()
     assert (tmp_path / "curves.png").stat().st_size > 1000, res
+
+
+def test_codec_benchmark_prints_every_row(tmp_path):
+    """python examples/bench_codec.py: one table row per framework, size and path, with figures."""
+    import subprocess
+    import sys
+    md = tmp_path / "codec.md"
+    out = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "bench_codec.py"), "--sizes", "1K,20000",
+         "--device", "cpu", "--markdown", str(md)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in md.read_text().splitlines()[2:]]
+    assert {(r[0].strip(), r[2].strip(), r[3].strip()) for r in rows} == {
+        (fw, size, path) for fw in ("torch", "tensorflow") for size in ("1K", "20000")
+        for path in ("compiled", "eager")}
+    for r in rows:
+        assert all(float(c) > 0 for c in r[4:7]), r
+    assert md.read_text() in out.stdout

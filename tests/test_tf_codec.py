@@ -123,7 +123,7 @@ def _auto_inputs(n):
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
-@pytest.mark.parametrize("rule", ["opt", "mean", "rms", "mean*3"])
+@pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms", "mean*3", "lsq*2"])
 @pytest.mark.parametrize("n", [0, 1, 17, 5000, 100003])
 def test_auto_threshold_matches_reference(n, rule, mode):
     """The same inputs as tests/test_auto_threshold.py (the PyTorch kernel's test)."""
@@ -138,7 +138,7 @@ def test_auto_threshold_matches_reference(n, rule, mode):
     assert got.numpy().view(np.int32) == np.float32(want).view(np.int32), (got.numpy(), want)
 
 
-@pytest.mark.parametrize("rule", ["opt", "mean", "rms", "mean*3"])
+@pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms", "mean*3", "lsq*2"])
 def test_auto_threshold_unknown_length_and_half_precision(rule):
     from horovod_twobit.tensorflow import auto_threshold
     fn = tf.function(lambda r, g: auto_threshold(r, g, rule),
@@ -155,7 +155,7 @@ def test_auto_threshold_unknown_length_and_half_precision(rule):
 
 
 @pytest.mark.skipif(not tf.config.list_physical_devices("GPU"), reason="needs a GPU")
-@pytest.mark.parametrize("rule", ["opt", "mean", "rms", "mean*3"])
+@pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms", "mean*3", "lsq*2"])
 def test_auto_threshold_gpu_matches_reference(rule):
     from horovod_twobit.tensorflow import auto_threshold
     for n in (17, 100003, 2 ** 22 + 5):
@@ -183,14 +183,14 @@ def test_auto_compressor_construction(monkeypatch):
     from horovod_twobit.tensorflow import TwoBitCompressor
     monkeypatch.delenv("HOROVOD_TWOBIT_AUTO_RULE", raising=False)
     c = TwoBitCompressor("auto")
-    assert c.threshold == "auto" and c.auto_rule == "opt"
+    assert c.threshold == "auto" and c.auto_rule == "lsq"
     assert repr(c) == "TwoBitCompressor(threshold='auto')"
     assert c.state_dict()["threshold"] == "auto"
     monkeypatch.setenv("HOROVOD_TWOBIT_AUTO_RULE", "rms")
     assert TwoBitCompressor("auto").auto_rule == "rms"
     monkeypatch.setenv("HOROVOD_TWOBIT_AUTO_RULE", "RMS")
     with pytest.raises(ValueError,
-                       match=r"HOROVOD_TWOBIT_AUTO_RULE must be one of \('mean', 'rms', 'opt'\)"):
+                       match=r"HOROVOD_TWOBIT_AUTO_RULE must be one of \('lsq', 'opt', 'mean', 'rms'\)"):
         TwoBitCompressor("auto")
     monkeypatch.delenv("HOROVOD_TWOBIT_AUTO_RULE")
     for bad in ["Auto", "", None, "auto ", "0.5"]:
@@ -229,7 +229,7 @@ def path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("rule", ["opt", "mean", "rms", "mean*3"])
+@pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms", "mean*3", "lsq*2"])
 @pytest.mark.parametrize("graph", [False, True])
 def test_auto_exchange_headers_and_per_sender_decode(monkeypatch, graph, rule, path):
     """Each payload's header carries FLAG_AUTO and its sender's t (float32 bits); every receiver

@@ -92,8 +92,9 @@ def test_payloads_cross_frameworks(case):
         np.testing.assert_array_equal(bits(in_tf), bits(f32(step["decoded"])))
 
 
-def _check_auto_step(step, n, t_bits, words, residual, decoded):
+def _check_auto_step(step, n, t_bits, v_bits, words, residual, decoded):
     assert t_bits == step["threshold_bits"]
+    assert v_bits == step["magnitude_bits"]
     assert list(words) == step["words"]
     np.testing.assert_array_equal(bits(residual), bits(f32(step["residual"])))
     np.testing.assert_array_equal(bits(decoded), bits(f32(step["decoded"])))
@@ -107,21 +108,22 @@ def test_auto_torch(case):
     r = torch.zeros(n)
     for step in case["steps"]:
         g = torch.from_numpy(f32(step["grad"]))
-        t = kernels.auto_threshold(r, g, case["rule"])
-        words = encode(g, r, float(t))
-        _check_auto_step(step, n, int(t.reshape(1).view(torch.int32)[0]), words.tolist(),
-                         r.numpy(), decode(words, n, float(t)).numpy())
+        t, v = kernels.auto_levels(r, g, case["rule"])
+        words = encode(g, r, float(t), float(v))
+        _check_auto_step(step, n, int(t.reshape(1).view(torch.int32)[0]),
+                         int(v.reshape(1).view(torch.int32)[0]), words.tolist(),
+                         r.numpy(), decode(words, n, float(v)).numpy())
 
 
 @pytest.mark.parametrize("case", AUTO, ids=AUTO_IDS)
 def test_auto_tensorflow(case):
     tf = pytest.importorskip("tensorflow")
-    from horovod_twobit.tensorflow import auto_threshold, decode, encode
+    from horovod_twobit.tensorflow import auto_levels, decode, encode
     n = case["numel"]
     r = tf.Variable(tf.zeros([n]))
     for step in case["steps"]:
         g = tf.constant(f32(step["grad"]))
-        t = auto_threshold(r, g, case["rule"])
-        words = encode(g, r, float(t))
-        _check_auto_step(step, n, int(tf.bitcast(t, tf.int32)), words.numpy().tolist(),
-                         r.numpy(), decode(words, n, float(t)).numpy())
+        t, v = auto_levels(r, g, case["rule"])
+        words = encode(g, r, float(t), float(v))
+        _check_auto_step(step, n, int(tf.bitcast(t, tf.int32)), int(tf.bitcast(v, tf.int32)),
+                         words.numpy().tolist(), r.numpy(), decode(words, n, float(v)).numpy())

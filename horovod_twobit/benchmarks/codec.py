@@ -95,7 +95,7 @@ def measure_tf(n, device, ranks=2, path="compiled", threshold=0.5):
         fin_body = tfk._finish_xla if xla else tfk._finish_body
 
         def finish(words, ts, bad, count):
-            out, new = fin_body(words, ts, bad, count, g, r.read_value(), t, True, 1.0, xla)
+            out, new = fin_body(words, ts, bad, count, g, r.read_value(), t, t, True, 1.0, xla)
             r.assign(new)
             return out
 
@@ -141,7 +141,7 @@ def main(argv=None):
         if fw == "tensorflow" and dev.type == "cuda" and not _tf_gpu():
             continue
         m = (measure if fw == "torch" else measure_tf)(_parse_size(size), dev, args.ranks, path)
-        line = "| %s | %s | %s | %s | %.2f | %.2f | %.2f | %.0f %% | %.0f %% |" % (
+        line = "| %s | %s | %s | %s | %.3g | %.3g | %.3g | %.0f %% | %.0f %% |" % (
             fw, dev.type, size.strip(), path, m["encode"], m["decode"], m["probe"],
             100 * m["encode"] / m["probe"], 100 * m["decode"] / m["probe"])
         print(line, flush=True)

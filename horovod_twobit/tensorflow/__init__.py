@@ -1,5 +1,5 @@
-"""TensorFlow 2 / Keras binding: ``encode`` / ``decode`` (the codec, in TF ops), ``auto_threshold``
-(the value ``threshold="auto"`` chooses) and ``TwoBitCompressor`` (Horovod's ``Compressor``
+"""TensorFlow 2 / Keras binding: ``encode`` / ``decode`` (the codec, in TF ops), ``auto_levels``
+(the threshold and magnitude ``threshold="auto"`` chooses) and ``TwoBitCompressor`` (Horovod's ``Compressor``
 interface, with ``tf.Variable`` residuals keyed by variable or tensor name, savable with
 ``tf.train.Checkpoint``).
 
@@ -9,12 +9,12 @@ Python looks ``hvd.allreduce`` up before it builds the compressor. Calls without
 go to Horovod unchanged.
 """
 
-from .codec import auto_threshold, decode, encode
+from .codec import auto_levels, auto_threshold, decode, encode
 from .compressor import TwoBitCompressor
 from ._routing import install, installed, uninstall
 from ..wire import PayloadMismatchError
 
 install()
 
-__all__ = ["encode", "decode", "auto_threshold", "TwoBitCompressor", "install", "uninstall",
-           "installed", "PayloadMismatchError"]
+__all__ = ["encode", "decode", "auto_levels", "auto_threshold", "TwoBitCompressor", "install",
+           "uninstall", "installed", "PayloadMismatchError"]

@@ -15,7 +15,8 @@ from .. import wire
 
 _SHIFTS = (6, 4, 2, 0)
 
-AUTO_RULES = ("mean", "rms", "opt")
+AUTO_RULES = ("lsq", "opt", "mean", "rms")
+DEFAULT_RULE = "lsq"
 OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 FLT_MIN = 2.0 ** -126  # the smallest normal float32
 
@@ -34,18 +35,21 @@ def _t(threshold):
     return tf.constant(threshold, tf.float32)
 
 
-def auto_threshold(residual, grad, rule="opt"):
-    """The automatic threshold of ``residual + grad`` (the error-compensated values) as a 0-d
-    float32 tensor, computed with TF ops (no host sync; eagerly or inside ``tf.function``).
+def auto_levels(residual, grad, rule=DEFAULT_RULE):
+    """``(threshold, magnitude)`` for ``residual + grad`` (the error-compensated values), two 0-d
+    float32 tensors computed with TF ops (no host sync; eagerly or inside ``tf.function``): values
+    at or beyond the threshold are sent as +-magnitude.
 
-    ``mean``: the mean absolute value; ``rms``: the root mean square; ``opt``: among c * mean for c
-    in :data:`OPT_MULTIPLES`, the value that minimises the squared error of the ternary code; a
-    ``*K`` suffix multiplies the result by K (for studies). The sum runs in float64, is
-    divided by the number of values in float64 (``rms``: then the square root), and is rounded to
-    float32 once; the result is never below the smallest normal float32 (so zeros are never sent),
-    and it is 1.0 for an empty tensor. It matches :func:`horovod_twobit.reference.auto_threshold`
-    (and the PyTorch binding) bit for bit: a float64 sum of float32 values differs between summation
-    orders by far less than half a float32 ulp, so only astronomically rare ties round differently.
+    ``lsq`` (the default): for each support threshold c * mean|x|, c in :data:`OPT_MULTIPLES`, the
+    least-squares magnitude of that support (the mean of |x| over it); the pair with the smallest
+    squared error wins. ``opt``: among the same thresholds, the one that minimises the error with
+    magnitude = threshold; ``mean``: the mean absolute value; ``rms``: the root mean square (for
+    these three the magnitude is the threshold). A ``*K`` suffix multiplies both by K (for
+    studies). Sums run in float64, divisions too, and each value is rounded to float32 once; it is
+    never below the smallest normal float32 (so zeros are never sent), and both are 1.0 for an
+    empty tensor. It matches :func:`horovod_twobit.reference.auto_levels` (and the PyTorch binding)
+    bit for bit: a float64 sum of float32 values differs between summation orders by far less than
+    half a float32 ulp, so only astronomically rare ties round differently.
 
     ``residual`` is a tensor or a variable (its current value is read) with as many values as
     ``grad``; gradients of other float dtypes are converted to float32 before the add."""
@@ -60,7 +64,7 @@ def auto_threshold(residual, grad, rule="opt"):
     x = r + _flat32(tf.convert_to_tensor(grad))
     n = x.shape.num_elements()
     if n == 0:
-        return tf.ones([], tf.float32)
+        return tf.ones([], tf.float32), tf.ones([], tf.float32)
     a = tf.cast(tf.abs(x), tf.float64)
     total = tf.reduce_sum(a * a) if rule == "rms" else tf.reduce_sum(a)
     count = tf.cast(tf.size(x, out_type=tf.int64), tf.float64)
@@ -70,18 +74,39 @@ def auto_threshold(residual, grad, rule="opt"):
     t = tf.math.divide_no_nan(total, count)
     if rule == "rms":
         t = tf.sqrt(t)
-    elif rule == "opt":
+    v = t
+    if rule in ("opt", "lsq"):
         ts = t * tf.constant(OPT_MULTIPLES, tf.float64)
-        errs = tf.stack([tf.reduce_sum(tf.where(a >= ts[i], tf.square(a - ts[i]), a * a))
-                         for i in range(len(OPT_MULTIPLES))])
-        t = tf.gather(ts, tf.argmin(errs))
-    if k:
-        t = t * float(k)
-    t = tf.cast(t, tf.float32)
-    t = tf.where(t < FLT_MIN, tf.constant(FLT_MIN, tf.float32), t)  # NaN stays NaN
-    if n is None:  # a length known only at run time
-        t = tf.where(tf.equal(tf.size(x), 0), tf.constant(1.0, tf.float32), t)
-    return t
+        if rule == "opt":
+            errs = tf.stack([tf.reduce_sum(tf.where(a >= ts[i], tf.square(a - ts[i]), a * a))
+                             for i in range(len(OPT_MULTIPLES))])
+            t = v = tf.gather(ts, tf.argmin(errs))
+        else:
+            zero = tf.zeros_like(a)
+            counts = tf.stack([tf.reduce_sum(tf.where(a >= ts[i], zero + 1.0, zero))
+                               for i in range(len(OPT_MULTIPLES))])
+            sums = tf.stack([tf.reduce_sum(tf.where(a >= ts[i], a, zero))
+                             for i in range(len(OPT_MULTIPLES))])
+            best = tf.argmax(tf.math.divide_no_nan(sums * sums, counts))  # 0 where nothing is sent
+            t = tf.gather(ts, best)
+            c, s = tf.gather(counts, best), tf.gather(sums, best)
+            v = tf.where(c > 0, tf.math.divide_no_nan(s, c), t)
+    levels = []
+    for y in (t, v):
+        if k:
+            y = y * float(k)
+        y = tf.cast(y, tf.float32)
+        y = tf.where(y < FLT_MIN, tf.constant(FLT_MIN, tf.float32), y)  # NaN stays NaN
+        if n is None:  # a length known only at run time
+            y = tf.where(tf.equal(tf.size(x), 0), tf.constant(1.0, tf.float32), y)
+        levels.append(y)
+    return tuple(levels)
+
+
+def auto_threshold(residual, grad, rule=DEFAULT_RULE):
+    """The threshold of :func:`auto_levels` (for ``opt``, ``mean`` and ``rms`` also the
+    magnitude), a 0-d float32 tensor."""
+    return auto_levels(residual, grad, rule)[0]
 
 
 def codes(x, threshold):
@@ -141,13 +166,15 @@ def quantize_pack(grad, residual, threshold):
     return pack(codes(x, threshold))
 
 
-def committed(grad, residual_value, threshold):
+def committed(grad, residual_value, threshold, magnitude=None):
     """The residual after one error-feedback step: r <- (r + g) - q, with q the ternary value
-    :func:`quantize_pack` sent for the same (grad, residual). The float32 operations are MXNet's,
-    in its order, so the bits are MXNet's. Returns a 1-D tensor."""
+    :func:`quantize_pack` sent for the same (grad, residual): +-``magnitude`` (default: the
+    threshold) where |r + g| reaches the threshold. The float32 operations are MXNet's, in its
+    order, so the bits are MXNet's. Returns a 1-D tensor."""
     t = _t(threshold)
+    v = t if magnitude is None else _t(magnitude)
     x = tf.reshape(residual_value, [-1]) + _flat32(grad)
-    return tf.where(x >= t, x - t, tf.where(x <= -t, x + t, x))
+    return tf.where(x >= t, x - v, tf.where(x <= -t, x + v, x))
 
 
 def _check(grad, residual):
@@ -167,22 +194,26 @@ def _check(grad, residual):
         raise ValueError("residual has %d values, grad has %d" % (rn, gn))
 
 
-def encode(grad, residual, threshold):
+def encode(grad, residual, threshold, magnitude=None):
     """Quantizes ``grad`` with error feedback and packs it.
 
     ``residual`` (a float32 ``tf.Variable`` of any shape with as many values as ``grad``) is updated
-    in place: r <- r + g; q = +t where r >= t, -t where r <= -t, else 0; r <- r - q. Returns the
-    1-D int32 words, ceil(numel / 16) of them. Gradients of other float dtypes are converted to
+    in place: r <- r + g; q = +v where r >= t, -v where r <= -t, else 0; r <- r - q, with t the
+    threshold and v the magnitude (default: t, MXNet's scheme; decode with v). Returns the 1-D
+    int32 words, ceil(numel / 16) of them. Gradients of other float dtypes are converted to
     float32 before the add. Works eagerly and inside ``tf.function``."""
     t = wire.validate_threshold(threshold)
     if t == "auto":
         raise ValueError("encode() takes a numeric threshold; 'auto' is a TwoBitCompressor mode")
+    v = t if magnitude is None else wire.validate_threshold(magnitude)
+    if v == "auto":
+        raise ValueError("encode() takes a numeric magnitude")
     grad = tf.convert_to_tensor(grad) if not isinstance(grad, tf.IndexedSlices) else grad
     _check(grad, residual)
     r = residual.read_value()
     words = quantize_pack(grad, r, t)
     with tf.control_dependencies([words]):
-        update = residual.assign(tf.reshape(committed(grad, r, t), tf.shape(residual)))
+        update = residual.assign(tf.reshape(committed(grad, r, t, v), tf.shape(residual)))
     with tf.control_dependencies([update]):
         return tf.identity(words)
 

@@ -2,9 +2,10 @@
 
 Packed words cannot go through a summing allreduce, so each rank allgathers ``header + words``
 (2 bits per value plus 20 bytes), checks that every rank sent a compatible payload, decodes each one
-and sums them in rank order. With ``threshold="auto"`` each rank chooses its threshold from its own
-r + g (:func:`~horovod_twobit.tensorflow.codec.auto_threshold`), sends it in header word 4 with
-:data:`~horovod_twobit.wire.FLAG_AUTO`, and every receiver decodes each payload with its sender's.
+and sums them in rank order. With ``threshold="auto"`` each rank chooses its threshold and
+magnitude from its own r + g (:func:`~horovod_twobit.tensorflow.codec.auto_levels`), sends the
+magnitude in header word 4 with :data:`~horovod_twobit.wire.FLAG_AUTO`, and every receiver decodes
+each payload with its sender's.
 Every rank runs the same float32 arithmetic on the same bytes, so the result is bitwise identical
 everywhere (and equal to the PyTorch binding's and the NumPy reference's). The residual is updated
 only after the gather, and only when no rank's gradient held NaN or Inf; otherwise every rank's
@@ -45,13 +46,14 @@ class Exchange:
         self.before = self.residual.read_value()
         self.auto = self.mode == "auto"
         if self.auto:
-            # chosen from r + g on this rank and carried in the header (word 4, float32 bits); the
-            # residual commit uses the same value. A tensor: no host sync.
-            self.threshold = codec.auto_threshold(self.before, self.grad, compressor.auto_rule)
+            # chosen from r + g on this rank; the magnitude is carried in the header (word 4,
+            # float32 bits) and the residual commit uses both. Tensors: no host sync.
+            self.threshold, self.magnitude = codec.auto_levels(self.before, self.grad,
+                                                               compressor.auto_rule)
             head = wire.make_header(self.numel, 1.0, wire.FLAG_AUTO)
-            tbits = tf.reshape(tf.bitcast(self.threshold, tf.int32), [1])
+            tbits = tf.reshape(tf.bitcast(self.magnitude, tf.int32), [1])
         else:
-            self.threshold = self.mode
+            self.threshold = self.magnitude = self.mode
             head = wire.make_header(self.numel, self.threshold)
             tbits = tf.constant(head[4:], tf.int32)
         words, nonfinite = kernels.encode(self.grad, tf.reshape(self.before, [-1]), self.threshold)
@@ -83,7 +85,7 @@ class Exchange:
             ts = tf.fill([self.nranks], tf.constant(t, tf.float32))
         out, new = kernels.finish(rows[:, wire.HEADER_WORDS:], ts, bad, count, self.grad,
                                   tf.reshape(self.before, [-1]), t, self.op == mpi_ops.Average,
-                                  self.scale)
+                                  self.scale, self.magnitude)
         update = self.residual.assign(new)
         with tf.control_dependencies([update]):
             result = tf.reshape(out, self.tensor.shape)

@@ -11,7 +11,7 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from .. import state, wire
-from .codec import AUTO_RULES
+from .codec import AUTO_RULES, DEFAULT_RULE
 
 
 class _Unrouted:
@@ -200,15 +200,16 @@ class TwoBitCompressor(Compressor, tf.Module):
     :meth:`state_dict` / :meth:`load_state_dict` do the same with NumPy arrays.
 
     Automatic threshold: with ``threshold="auto"`` each rank chooses, for every tensor and step,
-    the t that minimises the squared error of the ternary code of x = r + g among c * mean|x| (c in
-    0.5 ... 8), and sends it in the payload header (float32), with no extra communication round;
-    receivers decode each sender's payload with that sender's t. The rule and the evidence for it
-    are the PyTorch binding's (:class:`horovod_twobit.torch.TwoBitCompressor`; README's "Automatic
-    threshold"). ``HOROVOD_TWOBIT_AUTO_RULE`` (``opt``, the default, ``mean``, ``rms``, optionally
-    ``*K``), read when the compressor is built, selects another rule (:attr:`auto_rule`); every rank
-    must use the same. The value is :func:`horovod_twobit.tensorflow.auto_threshold`, bit for bit
-    the NumPy reference's and the PyTorch binding's, so both frameworks interoperate in "auto" mode
-    too. It costs two extra read passes over r and g per step (float64 reductions).
+    from x = r + g: a support threshold t among c * mean|x| (c in 0.5 ... 8) and the magnitude v
+    sent for it (the mean of |x| over the support), the pair with the smallest squared error. v
+    travels in the payload header (float32), with no extra communication round; receivers decode
+    each sender's payload with that sender's v. The rule and the evidence for it are the PyTorch
+    binding's (:class:`horovod_twobit.torch.TwoBitCompressor`; README's "Automatic threshold").
+    ``HOROVOD_TWOBIT_AUTO_RULE`` (``lsq``, the default, ``opt``, ``mean``, ``rms``, optionally
+    ``*K``), read when the compressor is built, selects another rule (:attr:`auto_rule`); every
+    rank must use the same. The pair is :func:`horovod_twobit.tensorflow.auto_levels`, bit for bit
+    the NumPy reference's and the PyTorch binding's, so both frameworks interoperate in "auto"
+    mode too. It costs two extra read passes over r and g per step (float64 reductions).
 
     Args:
         threshold: a positive number (MXNet's default 0.5), or ``"auto"``.
@@ -219,7 +220,7 @@ class TwoBitCompressor(Compressor, tf.Module):
         tf.Module.__init__(self, name=name or "twobit_compressor")
         threshold = wire.validate_threshold(threshold)
         self._threshold = threshold
-        self.auto_rule = os.environ.get("HOROVOD_TWOBIT_AUTO_RULE", "opt")
+        self.auto_rule = os.environ.get("HOROVOD_TWOBIT_AUTO_RULE", DEFAULT_RULE)
         if self.auto_rule.partition("*")[0] not in AUTO_RULES:
             raise ValueError("HOROVOD_TWOBIT_AUTO_RULE must be one of %s, got %r"
                              % (AUTO_RULES, self.auto_rule))

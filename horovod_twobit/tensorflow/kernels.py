@@ -57,7 +57,8 @@ def _decode_sum_xla(words, ts, n):
     return tf.reshape(out, [-1])[:n]
 
 
-def _finish_body(words, ts, bad, count, grad, before, threshold, average, scale, xla=False):
+def _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, average, scale,
+                 xla=False):
     """(result, new residual): the rank-order sum of the decoded rows of ``words`` (nranks, W),
     row i with threshold ``ts[i]``; NaN everywhere and the residual unchanged when ``bad``."""
     out = (_decode_sum_xla if xla else _decode_sum_plain)(words, ts, grad.shape[0])
@@ -66,7 +67,7 @@ def _finish_body(words, ts, bad, count, grad, before, threshold, average, scale,
         out = out / count
     if scale != 1.0:
         out = out * tf.constant(scale, tf.float32)
-    new = tf.where(bad, before, codec.committed(grad, before, threshold))
+    new = tf.where(bad, before, codec.committed(grad, before, threshold, magnitude))
     return out, new
 
 
@@ -86,11 +87,13 @@ def encode(grad, before, threshold):
     return _encode_body(grad, before, threshold)
 
 
-def finish(words, ts, bad, count, grad, before, threshold, average, scale):
-    """``words``: (nranks, num_words) int32; ``ts``: (nranks,) float32 thresholds of the senders;
+def finish(words, ts, bad, count, grad, before, threshold, average, scale, magnitude=None):
+    """``words``: (nranks, num_words) int32; ``ts``: (nranks,) float32 magnitudes of the senders;
     ``bad``: 0-d bool; ``count``: 0-d float32 divisor (used when ``average``); ``scale``: a
-    Python float. Returns (1-D float32 result, 1-D new residual)."""
+    Python float; ``threshold`` and ``magnitude`` (default: the threshold): this rank's, for its
+    residual update. Returns (1-D float32 result, 1-D new residual)."""
+    magnitude = threshold if magnitude is None else magnitude
     if _compiled(grad.shape.num_elements()) and words.shape[0] is not None:
         return _finish_xla(words, ts, bad, count, grad, before, codec._t(threshold),
-                           bool(average), float(scale), True)
-    return _finish_body(words, ts, bad, count, grad, before, threshold, average, scale)
+                           codec._t(magnitude), bool(average), float(scale), True)
+    return _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, average, scale)

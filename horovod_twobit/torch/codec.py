@@ -37,27 +37,32 @@ def quantize_pack(grad, residual, threshold, out=None):
     return kernels.pack(residual.view(-1), flat(grad), threshold, out)
 
 
-def commit(grad, residual, threshold):
+def commit(grad, residual, threshold, magnitude=None):
     """Applies one error-feedback step to ``residual`` in place: r <- (r + g) - q, with q the
-    ternary value :func:`quantize_pack` sent for the same (grad, residual). The float32 operations
+    ternary value :func:`quantize_pack` sent for the same (grad, residual): +-``magnitude``
+    (default: the threshold) where |r + g| reaches the threshold. The float32 operations
     are MXNet's, in its order, so the bits are MXNet's. ``residual`` must be contiguous (the
     registry's are; :func:`encode` makes a contiguous copy of any other)."""
-    kernels.commit(residual.view(-1), flat(grad), threshold)
+    kernels.commit(residual.view(-1), flat(grad), threshold, magnitude)
 
 
-def encode(grad, residual, threshold):
+def encode(grad, residual, threshold, magnitude=None):
     """Quantizes ``grad`` with error feedback and packs it.
 
     ``residual`` (float32, any shape with as many values as ``grad``, same device) is updated in
-    place: r <- r + g; q = +t where r >= t, -t where r <= -t, else 0; r <- r - q. Returns the
-    1-D int32 words, ceil(numel / 16) of them. float64 gradients are rounded to float32 first."""
+    place: r <- r + g; q = +v where r >= t, -v where r <= -t, else 0; r <- r - q, with t the
+    threshold and v the magnitude (default: t, MXNet's scheme; decode with v). Returns the 1-D
+    int32 words, ceil(numel / 16) of them. float64 gradients are rounded to float32 first."""
     t = wire.validate_threshold(threshold)
     if t == "auto":
         raise ValueError("encode() takes a numeric threshold; 'auto' is a TwoBitCompressor mode")
+    v = t if magnitude is None else wire.validate_threshold(magnitude)
+    if v == "auto":
+        raise ValueError("encode() takes a numeric magnitude")
     _check(grad, residual)
     r = residual if residual.is_contiguous() else residual.contiguous()
     words, _ = quantize_pack(grad, r, t)
-    commit(grad, r, t)
+    commit(grad, r, t, v)
     if r is not residual:
         residual.copy_(r)
     return words

@@ -19,8 +19,8 @@ from . import codec, kernels
 class Exchange:
     """One tensor's part of a collective: what was sent, and what is needed to finish it."""
 
-    __slots__ = ("tensor", "name", "residual", "threshold", "op", "scale", "nranks", "payload",
-                 "in_place")
+    __slots__ = ("tensor", "name", "residual", "threshold", "magnitude", "op", "scale", "nranks",
+                 "payload", "in_place")
 
     def __init__(self, compressor, tensor, name, op, prescale, postscale, process_set, in_place):
         if op not in (mpi_ops.Average, mpi_ops.Sum):
@@ -40,10 +40,11 @@ class Exchange:
         self.scale = float(prescale) * float(postscale)
         self.nranks = process_set.size()
         self.in_place = in_place
+        self.magnitude = None  # a numeric threshold is also the magnitude sent
         auto = self.threshold == "auto"
-        if auto:  # chosen from r + g on this rank, carried in the header; no host sync
-            self.threshold = kernels.auto_threshold(self.residual.view(-1), codec.flat(tensor),
-                                                    compressor.auto_rule)
+        if auto:  # chosen from r + g on this rank; the magnitude goes in the header; no host sync
+            self.threshold, self.magnitude = kernels.auto_levels(
+                self.residual.view(-1), codec.flat(tensor), compressor.auto_rule)
         self.payload = torch.empty(wire.HEADER_WORDS + wire.num_words(tensor.numel()),
                                    dtype=torch.int32, device=tensor.device)
         header = self.payload[:wire.HEADER_WORDS]  # the words are packed straight behind it
@@ -53,7 +54,7 @@ class Exchange:
                                                    wire.FLAG_AUTO if auto else 0), dtype=torch.int32))
         header[1] |= nonfinite.to(torch.int32) * wire.FLAG_NONFINITE
         if auto:
-            header[4] = self.threshold.reshape(1).view(torch.int32)[0]
+            header[4] = self.magnitude.reshape(1).view(torch.int32)[0]
 
     def finish(self, gathered):
         """Decodes and sums the gathered payloads; commits the residual; returns the result."""
@@ -67,11 +68,13 @@ class Exchange:
             g, r = codec.flat(self.tensor), self.residual.view(-1)
             if self.in_place and self.tensor.is_contiguous() and g.dtype == self.tensor.dtype:
                 # g is the tensor's own memory: commit and decode in one pass, written over it
-                kernels.finish(rows, ts, r, g, self.threshold, divisor, self.scale)
+                kernels.finish(rows, ts, r, g, self.threshold, divisor, self.scale,
+                               magnitude=self.magnitude)
                 return self.tensor
             out_dtype = self.tensor.dtype if self.tensor.dtype != torch.float64 else torch.float32
             out = kernels.finish(rows, ts, r, g, self.threshold, divisor, self.scale,
-                                 out=torch.empty(n, dtype=out_dtype, device=self.tensor.device))
+                                 out=torch.empty(n, dtype=out_dtype, device=self.tensor.device),
+                                 magnitude=self.magnitude)
         result = out.view(self.tensor.shape).to(self.tensor.dtype)
         if self.in_place:
             self.tensor.copy_(result)

@@ -10,7 +10,7 @@ from horovod.torch.compression import Compressor
 
 from .. import state, wire
 from ..registry import ResidualRegistry
-from .kernels import AUTO_RULES
+from .kernels import AUTO_RULES, DEFAULT_RULE
 
 _MARK = "_horovod_twobit"
 
@@ -57,19 +57,23 @@ class TwoBitCompressor(Compressor):
     allgather + decode + sum and leaves every other tensor untouched.
 
     Automatic threshold: with ``threshold="auto"`` each rank chooses, for every tensor and step,
-    the t that minimises the squared error of the ternary code of its error-compensated values
-    x = r + g, among t = c * mean|x| for c in 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, and sends it in the
-    payload header (float32), with no extra communication round; receivers decode each sender's
-    payload with that sender's t. Still 2 bits per value plus the constant header, and the residual
-    keeps what was not sent. Why: a fixed threshold only works when it happens to match the
-    gradients' scale, which differs per layer and drifts during training. The rule was chosen by
-    measurement (``examples/convergence.py``, README's "Automatic threshold"): on the digits MLP,
-    over 3 seeds, mean|x| alone (scaled-sign's scale) collapses with momentum SGD (0.48-0.63 test
-    accuracy against fp32's 0.97), 3 * mean|x| is best with momentum but loses 3-4 points with
-    Adam, and the error-minimising choice stays within 0.5 points of fp32 with SGD and Adam and
-    within 1.5 with momentum. Cost: two extra read passes over r and g per step (the reductions).
-    ``HOROVOD_TWOBIT_AUTO_RULE`` (``opt``, ``mean``, ``rms``, optionally ``*K``) selects another
-    rule, for such studies.
+    from its error-compensated values x = r + g, a support threshold t among c * mean|x| (c in 0.5,
+    0.75, 1, 1.5, 2, 3, 4, 6, 8) and the magnitude v sent for it: values with |x| >= t are sent as
+    +-v, where v is the mean of |x| over them (the least-squares value for that support), and the
+    pair with the smallest squared error wins. v travels in the payload header (float32), with no
+    extra communication round; receivers decode each sender's payload with that sender's v. Still
+    2 bits per value plus the constant header, and the residual keeps what was not sent (x - v
+    where sent, which may be negative). Why: a fixed threshold only works when it happens to match
+    the gradients' scale, which differs per layer and drifts during training; and tying the value
+    sent to the threshold (MXNet's code) caps what a large value can send per step, a backlog that
+    momentum amplifies. The rule was chosen by measurement (``examples/convergence.py``, README's
+    "Automatic threshold"): mean|x| alone (scaled-sign's scale) collapses with momentum SGD; the
+    error-minimising threshold with v = t (``opt``) loses 1.1-1.6 points to fp32 with momentum on
+    the digits MLP; ``lsq`` matches fp32 there and cuts the char-LSTM momentum gap by about half.
+    Adam remains the hard case: its per-coordinate normalisation turns a sparse code's bursts into
+    smaller steps (see README). Cost: two extra read passes over r and g per step (the
+    reductions). ``HOROVOD_TWOBIT_AUTO_RULE`` (``lsq``, ``opt``, ``mean``, ``rms``, optionally
+    ``*K``) selects another rule, for such studies.
 
     Args:
         threshold: a positive number (MXNet's default 0.5), or ``"auto"``.
@@ -83,7 +87,7 @@ class TwoBitCompressor(Compressor):
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError("min_numel must be a non-negative integer, got %r" % (min_numel,))
         self.min_numel = min_numel
-        self.auto_rule = os.environ.get("HOROVOD_TWOBIT_AUTO_RULE", "opt")
+        self.auto_rule = os.environ.get("HOROVOD_TWOBIT_AUTO_RULE", DEFAULT_RULE)
         if self.auto_rule.partition("*")[0] not in AUTO_RULES:
             raise ValueError("HOROVOD_TWOBIT_AUTO_RULE must be one of %s, got %r"
                              % (AUTO_RULES, self.auto_rule))

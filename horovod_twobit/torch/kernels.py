@@ -1,21 +1,27 @@
-"""Codec kernels: quantize/pack (a codes pass and a byte-packing pass), commit (one pass) and
-decode-sum (one pass over every rank's payload, writing the output once).
+"""Codec kernels: pack (a codes pass and a byte-packing pass, chunk by chunk), finish (one pass
+after the gather: the residual update and the decode-sum), and the plain commit and decode-sum.
 
-The quantize/pack and commit bodies are plain torch ops. For tensors of at least
-``COMPILE_MIN_NUMEL`` values they run through ``torch.compile`` (Inductor fuses each body into one
-vectorized loop on CPU and GPU); below that, or where compilation is unavailable or disabled
-(``HOROVOD_TWOBIT_COMPILE=0``), the same bodies run eagerly. Both paths give the same bits: the
-bodies use only exact float32 operations (add, compare, subtract a threshold, select) whose results
-do not depend on fusion. Decode-sum works word by word, each word's 16 values one vector.
+The bodies are plain torch ops. For tensors of at least ``COMPILE_MIN_NUMEL`` values they run
+through ``torch.compile`` (Inductor fuses each body into one vectorized loop on CPU and GPU); below
+that, or where compilation is unavailable or disabled (``HOROVOD_TWOBIT_COMPILE=0``), the same
+bodies run eagerly. Both paths give the same bits: the bodies use only exact float32 operations
+(add, compare, subtract a threshold, select, one division, one multiplication) whose results do
+not depend on fusion.
 
 Compiled graphs are dynamic in the tensor length, so Inductor compiles once per (function, dtype,
-device), never per step. The threshold and divisor travel as 0-d tensors, so a
-new value does not recompile either.
+device), never per step. The threshold and divisor travel as 0-d tensors, so a new value does not
+recompile either.
 
-Extra memory per tensor: the float32 residual (persistent), the packed payload (n/4 bytes) and the
-gathered payloads (N * n/4 bytes) while a step is in flight, plus the codes (one byte per value)
-between the two pack passes; the eager path adds float32 and integer temporaries of the tensor's
-size.
+Why the residual update is not in the encode pass: a step in which any rank's gradient held NaN or
+Inf must leave every residual as it was, and that is known only after the gather. So encode reads
+r and g and writes the payload; :func:`finish` reads r, g and the gathered payloads and writes r and
+the result (over g itself for an in-place allreduce, which is what ``hvd.DistributedOptimizer``
+does): two passes over the gradient's memory per step, as a fused encode plus a decode would be.
+
+Extra memory per tensor: the float32 residual (persistent), the payload (n/4 bytes), the gathered
+payloads (N * n/4 bytes) while a step is in flight, the codes of one chunk (at most 4 MB, between
+the two pack passes), and the float32 result for an out-of-place allreduce (an in-place one writes
+over the gradient). The eager path adds float32 and integer temporaries of the tensor's size.
 """
 
 import os
@@ -52,10 +58,11 @@ def _bytes_body(w):
             | ((w >> 24) & 3)).to(torch.uint8)
 
 
-def _commit_body(r, g, t):
-    """r <- (r + g) - q in place, q the ternary value of r + g."""
+def _commit_body(r, g, t, v):
+    """r <- (r + g) - q in place, q the ternary value of r + g: +v where r + g >= t, -v where
+    r + g <= -t, else 0 (v is t itself for a numeric threshold)."""
     x = r + g.to(torch.float32)
-    r.copy_(torch.where(x >= t, x - t, torch.where(x <= -t, x + t, x)))
+    r.copy_(torch.where(x >= t, x - v, torch.where(x <= -t, x + v, x)))
 
 
 def _abs_sum_body(r, g):
@@ -79,8 +86,17 @@ def _ternary_errors_body(r, g, ts):
                         for i in range(len(OPT_MULTIPLES))])
 
 
+def _lsq_body(r, g, ts):
+    """(count, sum) of |r + g| where |r + g| >= t, for each t in the float64 vector ``ts``."""
+    a = (r + g.to(torch.float32)).abs().to(torch.float64)
+    return torch.stack([torch.stack([(a >= ts[i]).to(torch.float64).sum(),
+                                     torch.where(a >= ts[i], a, 0.0).sum()])
+                        for i in range(len(OPT_MULTIPLES))])
+
+
 _BODIES = {"codes": _codes_body, "bytes": _bytes_body, "commit": _commit_body,
-           "abs_sum": _abs_sum_body, "sq_sum": _sq_sum_body, "errors": _ternary_errors_body}
+           "abs_sum": _abs_sum_body, "sq_sum": _sq_sum_body, "errors": _ternary_errors_body,
+           "lsq": _lsq_body}
 
 
 def _fn(name):
@@ -122,31 +138,52 @@ def _t(value, device):
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
-AUTO_RULES = ("mean", "rms", "opt")
+AUTO_RULES = ("lsq", "opt", "mean", "rms")
+DEFAULT_RULE = "lsq"
 _FLT_MIN = torch.finfo(torch.float32).tiny
 
 
-def auto_threshold(r, g, rule="opt"):
-    """The automatic threshold of r + g as a 0-d float32 tensor on their device (no host sync):
-    the mean absolute value (``mean``) or the root mean square (``rms``), summed in float64,
-    rounded to float32 once, and never below the smallest normal float32 (so zeros are never
-    sent). Matches :func:`horovod_twobit.reference.auto_threshold`."""
+def auto_levels(r, g, rule=DEFAULT_RULE):
+    """``(threshold, magnitude)`` for r + g, two 0-d float32 tensors on their device (no host
+    sync): values at or beyond the threshold are sent as +-magnitude. The rules are those of
+    :func:`horovod_twobit.reference.auto_levels` (``lsq``: the least-squares magnitude of the
+    error-minimising support; ``opt``, ``mean``, ``rms``: magnitude = threshold), with sums in
+    float64, each value rounded to float32 once and never below the smallest normal float32 (so
+    zeros are never sent). Matches the reference bit for bit."""
     n = g.numel()
     if n == 0:
-        return torch.ones((), dtype=torch.float32, device=g.device)
+        one = torch.ones((), dtype=torch.float32, device=g.device)
+        return one, one
     rule, _, k = rule.partition("*")
     if rule == "mean":
-        t = _call("abs_sum", n, r, g) / n
-    elif rule == "opt":
+        t = v = _call("abs_sum", n, r, g) / n
+    elif rule in ("opt", "lsq"):
         m = _call("abs_sum", n, r, g) / n
         ts = m * torch.tensor(OPT_MULTIPLES, dtype=torch.float64, device=g.device)
-        t = ts[torch.argmin(_call("errors", n, r, g, ts))]
+        if rule == "opt":
+            t = v = ts[torch.argmin(_call("errors", n, r, g, ts))]
+        else:
+            cs = _call("lsq", n, r, g, ts)
+            count, total = cs[:, 0], cs[:, 1]
+            has = count > 0
+            best = torch.argmax(torch.where(has, total * total / torch.where(has, count, 1.0), 0.0))
+            t = ts[best]
+            v = torch.where(has[best], total[best] / torch.where(has[best], count[best], 1.0), t)
     elif rule == "rms":
-        t = (_call("sq_sum", n, r, g) / n).sqrt()
+        t = v = (_call("sq_sum", n, r, g) / n).sqrt()
     else:
         raise ValueError("unknown automatic threshold rule %r (known: %s)" % (rule, AUTO_RULES))
-    t = (t * float(k) if k else t).to(torch.float32)
-    return torch.where(t < _FLT_MIN, torch.full_like(t, _FLT_MIN), t)
+    out = []
+    for y in (t, v):
+        y = (y * float(k) if k else y).to(torch.float32)
+        out.append(torch.where(y < _FLT_MIN, torch.full_like(y, _FLT_MIN), y))
+    return tuple(out)
+
+
+def auto_threshold(r, g, rule=DEFAULT_RULE):
+    """The threshold of :func:`auto_levels` (for ``opt``, ``mean`` and ``rms`` also the
+    magnitude), as a 0-d float32 tensor."""
+    return auto_levels(r, g, rule)[0]
 
 
 PACK_CHUNK = 1 << 22  # values per codes pass: 4 MB of codes, written and read back from cache
@@ -190,10 +227,12 @@ def pack(r, g, threshold, out=None):
     return words, flag
 
 
-def commit(r, g, threshold):
-    """r <- (r + g) - q in place (r 1-D contiguous float32, g 1-D of the same length)."""
+def commit(r, g, threshold, magnitude=None):
+    """r <- (r + g) - q in place (r 1-D contiguous float32, g 1-D of the same length); q is
+    +-magnitude (default: the threshold) where |r + g| reaches the threshold."""
     if r.numel():
-        _call("commit", r.numel(), r, g, _t(threshold, r.device))
+        t = _t(threshold, r.device)
+        _call("commit", r.numel(), r, g, t, t if magnitude is None else _t(magnitude, r.device))
 
 
 _SHIFTS = {}
@@ -225,12 +264,12 @@ def _decode_body(words, ts, shifts, divisor, scale):
     return _decoded(words, ts, shifts, divisor, scale).reshape(-1)
 
 
-def _finish_body(words, ts, shifts, divisor, scale, r, g, t, out):
+def _finish_body(words, ts, shifts, divisor, scale, r, g, t, v, out):
     """One pass after the gather: r <- (r + g) - q (the commit), then the decode-sum written once,
     into ``out``, or over ``g`` when ``out`` is None (every value of g is read before it is
     written). r, g and out are (words, 16) views."""
     x = r + g.to(torch.float32)
-    r.copy_(torch.where(x >= t, x - t, torch.where(x <= -t, x + t, x)))
+    r.copy_(torch.where(x >= t, x - v, torch.where(x <= -t, x + v, x)))
     dest = g if out is None else out
     dest.copy_(_decoded(words, ts, shifts, divisor, scale).to(dest.dtype))
 
@@ -254,11 +293,11 @@ def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
     return out[:numel]
 
 
-def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None):
+def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, magnitude=None):
     """After the gather, in one pass: commits this rank's error-feedback step (r <- (r + g) - q,
-    as :func:`commit`) and writes the decode-sum of ``rows`` (as :func:`decode_sum`) into ``out``
-    (1-D, float32 or g's dtype, rounded from the float32 sum), or over ``g`` itself when ``out``
-    is None: the in-place allreduce of a gradient then needs no output allocation and no copy.
+    as :func:`commit`, with ``magnitude``) and writes the decode-sum of ``rows`` (as
+    :func:`decode_sum`) into ``out`` (1-D, float32 or g's dtype, rounded from the float32 sum),
+    or over ``g`` itself when ``out`` is None: the in-place allreduce of a gradient then needs no output allocation and no copy.
     ``r`` is 1-D contiguous float32; ``g`` 1-D contiguous. Returns the tensor written."""
     n = g.numel()
     dest = g if out is None else out
@@ -268,12 +307,13 @@ def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None):
     m = n - n % wire.VALUES_PER_WORD
     ts = [_t(t, dev) for t in thresholds]
     t, divisor, scale = _t(threshold, dev), _t(divisor, dev), _t(scale, dev)
+    v = t if magnitude is None else _t(magnitude, dev)
     if m:
         w = m // wire.VALUES_PER_WORD
         _call("finish", m, [row[:w] for row in rows], ts, _shifts(dev), divisor, scale,
-              r[:m].view(w, 16), g[:m].view(w, 16), t, None if out is None else out[:m].view(w, 16))
+              r[:m].view(w, 16), g[:m].view(w, 16), t, v, None if out is None else out[:m].view(w, 16))
     if m < n:  # the last, partial word: commit its values, decode it whole, keep what is real
-        _commit_body(r[m:], g[m:], t)
+        _commit_body(r[m:], g[m:], t, v)
         last = [row[m // wire.VALUES_PER_WORD:wire.num_words(n)] for row in rows]
         dest[m:].copy_(_decode_body(last, ts, _shifts(dev), divisor, scale)[:n - m].to(dest.dtype))
     return dest

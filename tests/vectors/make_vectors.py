@@ -11,8 +11,9 @@ applies ``steps`` in order: ``encode(grad, residual, threshold)`` must return ``
 ``residual``; ``decode(words, numel, threshold)`` must return ``decoded``.
 
 ``auto_cases`` are the same for ``threshold="auto"``: each step first chooses
-``threshold = auto_threshold(residual + grad, rule)`` (``threshold_bits``: its float32 bits, the
-header's word 4), then encodes and decodes with it.
+``threshold, magnitude = auto_levels(residual + grad, rule)`` (``threshold_bits`` and
+``magnitude_bits``: their float32 bits; the magnitude is the header's word 4, and equals the
+threshold for every rule but ``lsq``), then encodes with both and decodes with the magnitude.
 """
 
 import json
@@ -57,15 +58,16 @@ def _auto_case(name, rule, grads, note=""):
     steps = []
     for g in grads:
         g = np.asarray(g, dtype=np.float32)
-        t = np.float32(ref.auto_threshold(r + g, rule))
-        words = ref.encode(g, r, t)
+        t, v = (np.float32(y) for y in ref.auto_levels(r + g, rule))
+        words = ref.encode(g, r, t, v)
         steps.append({
             "grad": _floats(g),
             "threshold": float(t),
             "threshold_bits": int(t.view(np.int32)),
+            "magnitude_bits": int(v.view(np.int32)),
             "words": [int(w) for w in words],
             "residual": _floats(r),
-            "decoded": _floats(ref.decode(words, n, t)),
+            "decoded": _floats(ref.decode(words, n, v)),
         })
     return {"name": name, "threshold": "auto", "rule": rule, "numel": n, "note": note,
             "steps": steps}
@@ -88,7 +90,7 @@ def build():
     auto = [_auto_case("auto_zeros", "mean", [[0.0] * 5],
                        "all zeros: the smallest normal float32, so nothing is sent"),
             _auto_case("auto_empty", "mean", [[]], "an empty tensor: 1.0")]
-    for rule in ("opt", "mean", "rms"):
+    for rule in ("opt", "mean", "rms", "lsq"):
         for n in (1, 17, 100):
             grads = [(rng.standard_normal(n) * rng.choice([0.001, 0.1, 3.0], n)).astype(np.float32)
                      for _ in range(3)]
