@@ -71,9 +71,10 @@ class TwoBitCompressor(Compressor):
     error-minimising threshold with v = t (``opt``) loses 1.1-1.6 points to fp32 with momentum on
     the digits MLP; ``lsq`` matches fp32 there and cuts the char-LSTM momentum gap by about half.
     Adam remains the hard case: its per-coordinate normalisation turns a sparse code's bursts into
-    smaller steps (see README). Cost: two extra read passes over r and g per step (the
-    reductions). ``HOROVOD_TWOBIT_AUTO_RULE`` (``lsq``, ``opt``, ``mean``, ``rms``, optionally
-    ``*K``) selects another rule, for such studies.
+    smaller steps, and ``opt`` (smaller bursts) did better with it (see README). Cost: two extra
+    read passes over r and g per step (the reductions). ``HOROVOD_TWOBIT_AUTO_RULE`` (``lsq``,
+    ``opt``, ``mean``, ``rms``, optionally ``*K``), read when the compressor is built and the same
+    on every rank, selects another rule: ``opt`` for Adam, the others for studies.
 
     Args:
         threshold: a positive number (MXNet's default 0.5), or ``"auto"``.
