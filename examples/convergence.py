@@ -27,7 +27,6 @@ OPTIMIZERS = {
     "lstm": {"sgd": dict(lr=1.0), "momentum": dict(lr=0.1, momentum=0.9), "adam": dict(lr=3e-3)},
 }
 METHODS = ["none", "fp16", "0.5", "0.05", "0.005", "auto"]
-_USER_RULE = os.environ.get("HOROVOD_TWOBIT_AUTO_RULE")
 
 
 def compression_of(method):
@@ -36,12 +35,7 @@ def compression_of(method):
     if method == "fp16":
         return hvd.Compression.fp16
     if method.startswith("auto"):  # "auto" or "auto-RULE" (the rules compared when choosing one)
-        rule = method.partition("-")[2] or _USER_RULE
-        if rule:
-            os.environ["HOROVOD_TWOBIT_AUTO_RULE"] = rule
-        else:
-            os.environ.pop("HOROVOD_TWOBIT_AUTO_RULE", None)
-        return TwoBitCompressor("auto")
+        return TwoBitCompressor("auto", rule=method.partition("-")[2] or None)
     return TwoBitCompressor(float(method))
 
 

@@ -13,8 +13,7 @@ _SHIFTS = np.array([6, 4, 2, 0], dtype=np.uint8)
 
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)
 OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
-AUTO_RULES = ("lsq", "opt", "mean", "rms")
-DEFAULT_RULE = "lsq"
+AUTO_RULES, DEFAULT_RULE = wire.AUTO_RULES, wire.DEFAULT_RULE
 
 
 def ternary_errors(a, ts):

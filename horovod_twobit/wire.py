@@ -22,6 +22,7 @@ word  meaning
 """
 
 import math
+import os
 import struct
 
 MAGIC = 0x3242  # "2B"
@@ -31,6 +32,9 @@ VALUES_PER_WORD = 16
 
 FLAG_NONFINITE = 1
 FLAG_AUTO = 2
+
+AUTO_RULES = ("lsq", "opt", "mean", "rms")  # see horovod_twobit.reference.auto_levels
+DEFAULT_RULE = "lsq"
 
 CODE_ZERO = 0b00
 CODE_NEG = 0b10
@@ -162,3 +166,21 @@ def validate_threshold(threshold):
     if t32 <= 0 or not math.isfinite(t32):
         raise ValueError("threshold %r is not representable as a positive float32" % (threshold,))
     return t
+
+
+def auto_rule(rule=None):
+    """The rule ``threshold="auto"`` uses: ``rule`` when given, else ``HOROVOD_TWOBIT_AUTO_RULE``,
+    else :data:`DEFAULT_RULE`; one of :data:`AUTO_RULES`, optionally with a ``*K`` factor."""
+    source = "rule"
+    if rule is None:
+        rule, source = os.environ.get("HOROVOD_TWOBIT_AUTO_RULE", DEFAULT_RULE), "HOROVOD_TWOBIT_AUTO_RULE"
+    ok = isinstance(rule, str) and rule.partition("*")[0] in AUTO_RULES
+    if ok and "*" in rule:
+        try:
+            ok = float(rule.partition("*")[2]) > 0
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError("%s must be one of %s (optionally followed by *K, K > 0), got %r"
+                         % (source, AUTO_RULES, rule))
+    return rule

@@ -80,3 +80,19 @@ def test_bad_threshold_values(bad):
 
 def test_auto_is_accepted():
     assert TwoBitCompressor("auto").threshold == "auto"
+
+
+def test_rule_argument_environment_and_default(monkeypatch):
+    monkeypatch.delenv("HOROVOD_TWOBIT_AUTO_RULE", raising=False)
+    c = TwoBitCompressor("auto")
+    assert c.auto_rule == "lsq" and repr(c) == "TwoBitCompressor(threshold='auto')"
+    monkeypatch.setenv("HOROVOD_TWOBIT_AUTO_RULE", "mean*3")
+    assert TwoBitCompressor("auto").auto_rule == "mean*3"
+    c = TwoBitCompressor("auto", rule="opt")
+    assert c.auto_rule == "opt" and repr(c) == "TwoBitCompressor(threshold='auto', rule='opt')"
+    for bad in ["OPT", "", "median", "opt*", "opt*-1", 3]:
+        with pytest.raises(ValueError, match=r"rule must be one of \('lsq', 'opt', 'mean', 'rms'\)"):
+            TwoBitCompressor("auto", rule=bad)
+    monkeypatch.setenv("HOROVOD_TWOBIT_AUTO_RULE", "RMS")
+    with pytest.raises(ValueError, match="HOROVOD_TWOBIT_AUTO_RULE must be one of"):
+        TwoBitCompressor("auto")

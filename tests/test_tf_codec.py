@@ -192,6 +192,8 @@ def test_auto_compressor_construction(monkeypatch):
     with pytest.raises(ValueError,
                        match=r"HOROVOD_TWOBIT_AUTO_RULE must be one of \('lsq', 'opt', 'mean', 'rms'\)"):
         TwoBitCompressor("auto")
+    c = TwoBitCompressor("auto", rule="opt")  # the argument wins over the environment
+    assert c.auto_rule == "opt" and repr(c) == "TwoBitCompressor(threshold='auto', rule='opt')"
     monkeypatch.delenv("HOROVOD_TWOBIT_AUTO_RULE")
     for bad in ["Auto", "", None, "auto ", "0.5"]:
         with pytest.raises(ValueError, match="positive number or the string 'auto'"):

@@ -15,8 +15,7 @@ from .. import wire
 
 _SHIFTS = (6, 4, 2, 0)
 
-AUTO_RULES = ("lsq", "opt", "mean", "rms")
-DEFAULT_RULE = "lsq"
+AUTO_RULES, DEFAULT_RULE = wire.AUTO_RULES, wire.DEFAULT_RULE
 OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 FLT_MIN = 2.0 ** -126  # the smallest normal float32
 

@@ -1,7 +1,6 @@
 """``TwoBitCompressor``: MXNet's 2-bit compression with error feedback, as a Horovod compressor for
 TensorFlow 2 and Keras."""
 
-import os
 import threading
 import warnings
 
@@ -11,7 +10,6 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from .. import state, wire
-from .codec import AUTO_RULES, DEFAULT_RULE
 
 
 class _Unrouted:
@@ -205,25 +203,24 @@ class TwoBitCompressor(Compressor, tf.Module):
     travels in the payload header (float32), with no extra communication round; receivers decode
     each sender's payload with that sender's v. The rule and the evidence for it are the PyTorch
     binding's (:class:`horovod_twobit.torch.TwoBitCompressor`; README's "Automatic threshold").
-    ``HOROVOD_TWOBIT_AUTO_RULE`` (``lsq``, the default, ``opt``, ``mean``, ``rms``, optionally
-    ``*K``), read when the compressor is built, selects another rule (:attr:`auto_rule`); every
-    rank must use the same. The pair is :func:`horovod_twobit.tensorflow.auto_levels`, bit for bit
-    the NumPy reference's and the PyTorch binding's, so both frameworks interoperate in "auto"
-    mode too. It costs two extra read passes over r and g per step (float64 reductions).
+    The ``rule`` argument, else ``HOROVOD_TWOBIT_AUTO_RULE`` read when the compressor is built
+    (``lsq``, the default, ``opt``, ``mean``, ``rms``, optionally ``*K``), selects the rule
+    (:attr:`auto_rule`): ``opt`` for Adam, the others for studies. The pair is
+    :func:`horovod_twobit.tensorflow.auto_levels`, bit for bit the NumPy reference's and the
+    PyTorch binding's, so both frameworks interoperate in "auto" mode too. It costs two extra read passes over r and g per step (float64 reductions).
 
     Args:
         threshold: a positive number (MXNet's default 0.5), or ``"auto"``.
         name: the module's name.
+        rule: the rule of ``threshold="auto"``: ``"lsq"`` (default), ``"opt"`` (better with Adam),
+            ``"mean"`` or ``"rms"``; default: ``HOROVOD_TWOBIT_AUTO_RULE``, else ``"lsq"``.
     """
 
-    def __init__(self, threshold=0.5, name=None):
+    def __init__(self, threshold=0.5, name=None, *, rule=None):
         tf.Module.__init__(self, name=name or "twobit_compressor")
         threshold = wire.validate_threshold(threshold)
         self._threshold = threshold
-        self.auto_rule = os.environ.get("HOROVOD_TWOBIT_AUTO_RULE", DEFAULT_RULE)
-        if self.auto_rule.partition("*")[0] not in AUTO_RULES:
-            raise ValueError("HOROVOD_TWOBIT_AUTO_RULE must be one of %s, got %r"
-                             % (AUTO_RULES, self.auto_rule))
+        self.auto_rule = wire.auto_rule(rule)
         self.residuals = Residuals()
         self._plain = _Plain()  # the router's cache of eager exchange functions
         self._warned = threading.Event()
@@ -235,7 +232,10 @@ class TwoBitCompressor(Compressor, tf.Module):
         return self._threshold
 
     def __repr__(self):
-        return "TwoBitCompressor(threshold=%r)" % (self._threshold,)
+        extra = ""
+        if self._threshold == "auto" and self.auto_rule != wire.DEFAULT_RULE:
+            extra = ", rule=%r" % self.auto_rule
+        return "TwoBitCompressor(threshold=%r%s)" % (self._threshold, extra)
 
     def compress(self, tensor):
         """Returns the tensor unchanged. The router takes TwoBit tensors before Horovod's

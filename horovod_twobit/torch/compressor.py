@@ -1,6 +1,5 @@
 """``TwoBitCompressor``: MXNet's 2-bit compression with error feedback, as a Horovod compressor."""
 
-import os
 import threading
 import warnings
 
@@ -10,7 +9,6 @@ from horovod.torch.compression import Compressor
 
 from .. import state, wire
 from ..registry import ResidualRegistry
-from .kernels import AUTO_RULES, DEFAULT_RULE
 
 _MARK = "_horovod_twobit"
 
@@ -73,25 +71,24 @@ class TwoBitCompressor(Compressor):
     Adam remains the hard case: its per-coordinate normalisation turns a sparse code's bursts into
     smaller steps, and ``opt`` (smaller bursts) did better with it (see README). Cost: two extra
     read passes over r and g per step (the reductions). ``HOROVOD_TWOBIT_AUTO_RULE`` (``lsq``,
-    ``opt``, ``mean``, ``rms``, optionally ``*K``), read when the compressor is built and the same
-    on every rank, selects another rule: ``opt`` for Adam, the others for studies.
+    ``opt``, ``mean``, ``rms``, optionally ``*K``), read when the compressor is built, or the
+    ``rule`` argument, selects another rule: ``opt`` for Adam, the others for studies.
 
     Args:
         threshold: a positive number (MXNet's default 0.5), or ``"auto"``.
         min_numel: tensors with fewer values go through Horovod's ordinary allreduce, uncompressed
             (default 0: compress everything). Small tensors (biases, norms) save few bytes but pay
             a fixed cost per call (about 0.1 ms on a CPU; see README's "Codec speed").
+        rule: the rule of ``threshold="auto"``: ``"lsq"`` (default), ``"opt"`` (better with Adam),
+            ``"mean"`` or ``"rms"``; default: ``HOROVOD_TWOBIT_AUTO_RULE``, else ``"lsq"``.
     """
 
-    def __init__(self, threshold=0.5, *, min_numel=0):
+    def __init__(self, threshold=0.5, *, min_numel=0, rule=None):
         self.threshold = wire.validate_threshold(threshold)
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError("min_numel must be a non-negative integer, got %r" % (min_numel,))
         self.min_numel = min_numel
-        self.auto_rule = os.environ.get("HOROVOD_TWOBIT_AUTO_RULE", DEFAULT_RULE)
-        if self.auto_rule.partition("*")[0] not in AUTO_RULES:
-            raise ValueError("HOROVOD_TWOBIT_AUTO_RULE must be one of %s, got %r"
-                             % (AUTO_RULES, self.auto_rule))
+        self.auto_rule = wire.auto_rule(rule)
         self.residuals = ResidualRegistry(
             zeros_like=lambda g: torch.zeros(g.shape, dtype=torch.float32, device=g.device),
             numel=lambda r: r.numel(), to_state=_to_state, from_state=_from_state)
@@ -101,6 +98,8 @@ class TwoBitCompressor(Compressor):
 
     def __repr__(self):
         extra = ", min_numel=%d" % self.min_numel if self.min_numel else ""
+        if self.threshold == "auto" and self.auto_rule != wire.DEFAULT_RULE:
+            extra += ", rule=%r" % self.auto_rule
         return "TwoBitCompressor(threshold=%r%s)" % (self.threshold, extra)
 
     def compress(self, tensor):

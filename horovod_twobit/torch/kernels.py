@@ -138,8 +138,7 @@ def _t(value, device):
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
-AUTO_RULES = ("lsq", "opt", "mean", "rms")
-DEFAULT_RULE = "lsq"
+AUTO_RULES, DEFAULT_RULE = wire.AUTO_RULES, wire.DEFAULT_RULE
 _FLT_MIN = torch.finfo(torch.float32).tiny
 
 
