@@ -30,13 +30,17 @@ METHODS = ["none", "fp16", "0.5", "0.05", "0.005", "auto"]
 
 
 def compression_of(method):
+    """none, fp16, a number (fixed threshold), or auto[-RULE][@MIN]: threshold="auto" with that
+    rule, leaving tensors of fewer than MIN values uncompressed (min_numel)."""
     if method == "none":
         return hvd.Compression.none
     if method == "fp16":
         return hvd.Compression.fp16
-    if method.startswith("auto"):  # "auto" or "auto-RULE" (the rules compared when choosing one)
-        return TwoBitCompressor("auto", rule=method.partition("-")[2] or None)
-    return TwoBitCompressor(float(method))
+    method, _, min_numel = method.partition("@")
+    if method.startswith("auto"):
+        return TwoBitCompressor("auto", rule=method.partition("-")[2] or None,
+                                min_numel=int(min_numel or 0))
+    return TwoBitCompressor(float(method), min_numel=int(min_numel or 0))
 
 
 def payload_bytes(model, method):
@@ -45,7 +49,8 @@ def payload_bytes(model, method):
         return 4 * sum(sizes)
     if method == "fp16":
         return 2 * sum(sizes)
-    return sum(wire.payload_bytes(n) for n in sizes)
+    min_numel = int(method.partition("@")[2] or 0)
+    return sum(wire.payload_bytes(n) if n >= min_numel else 4 * n for n in sizes)
 
 
 def make_optimizer(model, kind, params, method):
