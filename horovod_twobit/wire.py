@@ -168,6 +168,18 @@ def validate_threshold(threshold):
     return t
 
 
+def encode_levels(threshold, magnitude=None):
+    """(threshold, magnitude) as floats for the codec's ``encode``: numbers only (``"auto"`` is a
+    compressor mode); the magnitude defaults to the threshold."""
+    t = validate_threshold(threshold)
+    if t == "auto":
+        raise ValueError("encode() takes a numeric threshold; 'auto' is a TwoBitCompressor mode")
+    v = t if magnitude is None else validate_threshold(magnitude)
+    if v == "auto":
+        raise ValueError("encode() takes a numeric magnitude")
+    return t, v
+
+
 def auto_rule(rule=None):
     """The rule ``threshold="auto"`` uses: ``rule`` when given, else ``HOROVOD_TWOBIT_AUTO_RULE``,
     else :data:`DEFAULT_RULE`; one of :data:`AUTO_RULES`, optionally with a ``*K`` factor."""

@@ -201,12 +201,7 @@ def encode(grad, residual, threshold, magnitude=None):
     threshold and v the magnitude (default: t, MXNet's scheme; decode with v). Returns the 1-D
     int32 words, ceil(numel / 16) of them. Gradients of other float dtypes are converted to
     float32 before the add. Works eagerly and inside ``tf.function``."""
-    t = wire.validate_threshold(threshold)
-    if t == "auto":
-        raise ValueError("encode() takes a numeric threshold; 'auto' is a TwoBitCompressor mode")
-    v = t if magnitude is None else wire.validate_threshold(magnitude)
-    if v == "auto":
-        raise ValueError("encode() takes a numeric magnitude")
+    t, v = wire.encode_levels(threshold, magnitude)
     grad = tf.convert_to_tensor(grad) if not isinstance(grad, tf.IndexedSlices) else grad
     _check(grad, residual)
     r = residual.read_value()

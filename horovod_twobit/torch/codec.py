@@ -53,12 +53,7 @@ def encode(grad, residual, threshold, magnitude=None):
     place: r <- r + g; q = +v where r >= t, -v where r <= -t, else 0; r <- r - q, with t the
     threshold and v the magnitude (default: t, MXNet's scheme; decode with v). Returns the 1-D
     int32 words, ceil(numel / 16) of them. float64 gradients are rounded to float32 first."""
-    t = wire.validate_threshold(threshold)
-    if t == "auto":
-        raise ValueError("encode() takes a numeric threshold; 'auto' is a TwoBitCompressor mode")
-    v = t if magnitude is None else wire.validate_threshold(magnitude)
-    if v == "auto":
-        raise ValueError("encode() takes a numeric magnitude")
+    t, v = wire.encode_levels(threshold, magnitude)
     _check(grad, residual)
     r = residual if residual.is_contiguous() else residual.contiguous()
     words, _ = quantize_pack(grad, r, t)
