@@ -33,6 +33,10 @@ VALUES_PER_WORD = 16
 FLAG_NONFINITE = 1
 FLAG_AUTO = 2
 
+# value k of a word sits in byte k // 4 (memory order; little-endian, so bits 8 * (k // 4) up), in
+# that byte's bits 7-6, 5-4, 3-2, 1-0 for k % 4 = 0, 1, 2, 3: word >> WORD_SHIFTS[k] & 3 is its code
+WORD_SHIFTS = tuple(8 * (k // 4) + 6 - 2 * (k % 4) for k in range(VALUES_PER_WORD))
+
 AUTO_RULES = ("lsq", "opt", "mean", "rms")  # see horovod_twobit.reference.auto_levels
 DEFAULT_RULE = "lsq"
 

@@ -85,32 +85,35 @@ def measure_tf(n, device, ranks=2, path="compiled", threshold=0.5):
     import tensorflow as tf
     from horovod_twobit.tensorflow import kernels as tfk
 
-    with tf.device("/%s:0" % device.type.upper().replace("CUDA", "GPU")):
-        g = tf.random.normal([n])
-        r = tf.Variable(tf.zeros([n]))
-        a = tf.Variable(tf.zeros([n]))
-        t = tf.constant(threshold, tf.float32)
-        xla = path == "compiled"
-        enc = tfk._encode_xla if xla else tf.function(tfk._encode_body, autograph=False)
-        fin_body = tfk._finish_xla if xla else tfk._finish_body
+    old = tfk.COMPILE_MIN_NUMEL
+    tfk.COMPILE_MIN_NUMEL = 0 if path == "compiled" else 1 << 62
+    try:
+        with tf.device("/%s:0" % device.type.upper().replace("CUDA", "GPU")):
+            g = tf.random.normal([n])
+            r = tf.Variable(tf.zeros([n]))
+            a = tf.Variable(tf.zeros([n]))
 
-        def finish(words, ts, bad, count):
-            out, new = fin_body(words, ts, bad, count, g, r.read_value(), t, t, True, 1.0, xla)
-            r.assign(new)
-            return out
+            def encode():
+                return tfk.encode(g, r.read_value(), threshold)[0]
 
-        fin = tf.function(finish, autograph=False)
-        def add():
-            a.assign_add(g, read_value=False)
+            def finish(rows, ts, bad, count):  # as the communicator does after the gather
+                out, new = tfk.finish(rows, ts, bad, count, g, r.read_value(), threshold, True, 1.0)
+                r.assign(new)
+                return out
 
-        probe = tf.function(add, autograph=False)
-        words, _ = enc(g, r.read_value(), t)
-        rows = tf.stack([words] * ranks)
-        ts, bad, count = tf.fill([ranks], t), tf.constant(False), tf.constant(float(ranks))
-        # a one-value read waits for the device (eager CPU calls are synchronous anyway)
-        times = _time_round_robin([lambda: enc(g, r.read_value(), t)[0][:1].numpy(),
-                                   lambda: fin(rows, ts, bad, count)[:1].numpy(),
-                                   lambda: (probe(), a[:1].numpy())], device)
+            def add():
+                a.assign_add(g, read_value=False)
+
+            enc, fin, probe = (tf.function(f, autograph=False) for f in (encode, finish, add))
+            rows = tf.stack([enc()] * ranks)
+            ts = tf.fill([ranks], tf.constant(threshold, tf.float32))
+            bad, count = tf.constant(False), tf.constant(float(ranks))
+            # a one-value read waits for the device (eager CPU calls are synchronous anyway)
+            times = _time_round_robin([lambda: enc()[:1].numpy(),
+                                       lambda: fin(rows, ts, bad, count)[:1].numpy(),
+                                       lambda: (probe(), a[:1].numpy())], device)
+    finally:
+        tfk.COMPILE_MIN_NUMEL = old
     gb = 4 * n / 1e9
     return {"encode": gb / times[0], "decode": gb / times[1], "probe": gb / times[2]}
 

@@ -30,11 +30,6 @@ def _encode_body(grad, before, threshold):
     return words, tf.logical_not(tf.reduce_all(tf.math.is_finite(grad)))
 
 
-# value k of a word sits in byte k // 4 (memory order; little-endian, so bits 8 * (k // 4) up),
-# in that byte's bits 7-6, 5-4, 3-2, 1-0 for k % 4 = 0, 1, 2, 3 (as tf.bitcast lays bytes out)
-_SHIFTS = [8 * (k // 4) + 6 - 2 * (k % 4) for k in range(wire.VALUES_PER_WORD)]
-
-
 def _decode_sum_plain(words, ts, n):
     """Without XLA: one row at a time, summed through selects (see codec.accumulate)."""
     out = None
@@ -48,7 +43,7 @@ def _decode_sum_xla(words, ts, n):
     """With XLA: every row's words as (nranks, words, 16) codes, one word's 16 values a vector,
     then the rows added in rank order (XLA does not regroup float additions)."""
     c = tf.bitwise.bitwise_and(
-        tf.bitwise.right_shift(words[:, :, None], tf.constant(_SHIFTS, tf.int32)), 3)
+        tf.bitwise.right_shift(words[:, :, None], tf.constant(wire.WORD_SHIFTS, tf.int32)), 3)
     t = ts[:, None, None]
     v = tf.where(tf.equal(c, wire.CODE_POS), t, tf.where(tf.equal(c, wire.CODE_NEG), -t, 0.0))
     out = v[0]

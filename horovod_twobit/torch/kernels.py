@@ -94,7 +94,7 @@ def _lsq_body(r, g, ts):
                         for i in range(len(OPT_MULTIPLES))])
 
 
-_BODIES = {"codes": _codes_body, "bytes": _bytes_body, "commit": _commit_body,
+_BODIES = {"codes": _codes_body, "commit": _commit_body,
            "abs_sum": _abs_sum_body, "sq_sum": _sq_sum_body, "errors": _ternary_errors_body,
            "lsq": _lsq_body}
 
@@ -235,9 +235,7 @@ def commit(r, g, threshold, magnitude=None):
 
 
 _SHIFTS = {}
-# value k of a word sits in byte k // 4 (memory order; little-endian, so bits 8 * (k // 4) up),
-# in that byte's bits 7-6, 5-4, 3-2, 1-0 for k % 4 = 0, 1, 2, 3
-SHIFTS = [8 * (k // 4) + 6 - 2 * (k % 4) for k in range(wire.VALUES_PER_WORD)]
+SHIFTS = list(wire.WORD_SHIFTS)
 
 
 def _shifts(device):
