@@ -70,6 +70,21 @@ def auto_levels(x, rule=DEFAULT_RULE):
     return tuple(levels)
 
 
+def block_levels(x, block, rule=DEFAULT_RULE):
+    """Per-block :func:`auto_levels`: ``(thresholds, magnitudes)``, two float32 arrays of
+    ceil(n / block) values, block b covering values b * block up to (b + 1) * block (the last
+    block may be shorter)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    levels = [auto_levels(x[a:a + block], rule) for a in range(0, x.size, block)]
+    return (np.array([t for t, _ in levels], dtype=np.float32),
+            np.array([v for _, v in levels], dtype=np.float32))
+
+
+def per_value(levels, block, numel):
+    """Per-block values repeated over each block's values: a float32 array of ``numel``."""
+    return np.repeat(np.asarray(levels, dtype=np.float32), block)[:numel]
+
+
 def auto_threshold(x, rule=DEFAULT_RULE):
     """The threshold of :func:`auto_levels` (for ``mean``, ``rms`` and ``opt`` also the
     magnitude)."""
@@ -79,22 +94,24 @@ def auto_threshold(x, rule=DEFAULT_RULE):
 def quantize(grad, residual, threshold, magnitude=None):
     """One step of error feedback on float32 arrays: r += g; q = ternary(r); r -= q, where q is
     +magnitude for r >= threshold, -magnitude for r <= -threshold, else 0 (magnitude defaults to
-    the threshold: MXNet's scheme).
+    the threshold: MXNet's scheme). Both may be per-value float32 arrays (blocks, see
+    :func:`per_value`).
 
     Updates ``residual`` in place and returns the codes (uint8, one per value: 0, 2 or 3)."""
-    t = np.float32(threshold)
-    v = t if magnitude is None else np.float32(magnitude)
+    t = np.asarray(threshold, dtype=np.float32)
+    v = t if magnitude is None else np.asarray(magnitude, dtype=np.float32)
     g = np.asarray(grad, dtype=np.float32).reshape(-1)
     r = residual.reshape(-1)
     assert r.dtype == np.float32
+    t, v = np.broadcast_to(t, r.shape), np.broadcast_to(v, r.shape)
     r += g
     pos = r >= t
     neg = r <= -t
     codes = np.zeros(r.shape, dtype=np.uint8)
     codes[pos] = wire.CODE_POS
     codes[neg] = wire.CODE_NEG
-    r[pos] -= v
-    r[neg] -= -v
+    r[pos] -= v[pos]
+    r[neg] -= -v[neg]
     return codes
 
 
@@ -121,12 +138,13 @@ def encode(grad, residual, threshold, magnitude=None):
 
 
 def decode(words, numel, threshold):
-    """float32 values of packed words: +t for ``11``, -t for ``10``, 0 otherwise."""
-    t = np.float32(threshold)
+    """float32 values of packed words: +t for ``11``, -t for ``10``, 0 otherwise (t may be a
+    per-value float32 array)."""
+    t = np.broadcast_to(np.asarray(threshold, dtype=np.float32), (numel,))
     codes = unpack(words, numel)
     out = np.zeros(numel, dtype=np.float32)
-    out[codes == wire.CODE_POS] = t
-    out[codes == wire.CODE_NEG] = -t
+    out[codes == wire.CODE_POS] = t[codes == wire.CODE_POS]
+    out[codes == wire.CODE_NEG] = -t[codes == wire.CODE_NEG]
     return out
 
 
@@ -148,14 +166,16 @@ def aggregate(decoded, op="average", prescale=1.0, postscale=1.0):
 class Workers:
     """N simulated workers with one residual per tensor name each: what N ranks of the real
     communicator compute, step by step. ``threshold`` may be ``"auto"`` (each rank picks its own
-    with :func:`auto_levels` every step; ``rule`` names the rule). ``last_thresholds[name]``: the
-    value each rank put in its header at the last step (the magnitude it sent);
+    with :func:`auto_levels` every step; ``rule`` names the rule; with ``block``, per block with
+    :func:`block_levels`). ``last_thresholds[name]``: the value each rank put in its header at the
+    last step (the magnitude it sent; with blocks, the array of block magnitudes);
     ``last_levels[name]``: each rank's (threshold, magnitude)."""
 
-    def __init__(self, nranks, threshold, rule=DEFAULT_RULE):
+    def __init__(self, nranks, threshold, rule=DEFAULT_RULE, block=None):
         self.nranks = nranks
         self.threshold = threshold
         self.rule = rule
+        self.block = block
         self.residuals = [dict() for _ in range(nranks)]
         self.last_thresholds = {}
         self.last_levels = {}
@@ -173,9 +193,13 @@ class Workers:
         for rank, g in enumerate(flat):
             r = self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
             t = v = self.threshold
-            if t == "auto":
+            if t == "auto" and self.block:
+                t, v = block_levels(r + g, self.block, self.rule)
+            elif t == "auto":
                 t, v = auto_levels(r + g, self.rule)
             levels.append((t, v))
+            if self.block:
+                t, v = per_value(t, self.block, g.size), per_value(v, self.block, g.size)
             words = encode(g, r, t, v)
             decoded.append(decode(words, g.size, v))
         self.last_thresholds[name] = [v for _, v in levels]

@@ -17,8 +17,14 @@ word  meaning
       :data:`FLAG_AUTO` (the threshold was chosen by the sender)
 2, 3  numel, low and high 32 bits
 4     the value of the codes ``11`` / ``10`` (the threshold, or in "auto" mode the
-      magnitude), as float32 bits
+      magnitude), as float32 bits; with :data:`FLAG_BLOCKS`, the block size B instead
 ====  ==========================================================================
+
+With :data:`FLAG_BLOCKS` (``TwoBitCompressor("auto", block=B)``) the values are cut into blocks of
+B consecutive values (B a power of two, at least 16, so a word never straddles two blocks; the
+last block may be shorter), each with its own magnitude: ceil(n / B) float32 magnitudes follow the
+header, in block order, before the packed words. That is 32 / B bits per value more (0.0625 for
+B = 512) and a header that grows with n.
 """
 
 import math
@@ -32,6 +38,7 @@ VALUES_PER_WORD = 16
 
 FLAG_NONFINITE = 1
 FLAG_AUTO = 2
+FLAG_BLOCKS = 4
 
 # value k of a word sits in byte k // 4 (memory order; little-endian, so bits 8 * (k // 4) up), in
 # that byte's bits 7-6, 5-4, 3-2, 1-0 for k % 4 = 0, 1, 2, 3: word >> WORD_SHIFTS[k] & 3 is its code
@@ -50,9 +57,32 @@ def num_words(numel):
     return (int(numel) + VALUES_PER_WORD - 1) // VALUES_PER_WORD
 
 
-def payload_bytes(numel):
+def num_blocks(numel, block):
+    """Blocks (one magnitude each) of ``numel`` values in blocks of ``block``; 0 without blocks."""
+    return (int(numel) + block - 1) // block if block else 0
+
+
+def body_words(numel, block=None):
+    """int32 words after the header: the block magnitudes (if any), then the packed words."""
+    return num_blocks(numel, block) + num_words(numel)
+
+
+def payload_bytes(numel, block=None):
     """Bytes one rank sends for a tensor of ``numel`` values, header included."""
-    return 4 * (HEADER_WORDS + num_words(numel))
+    return 4 * (HEADER_WORDS + body_words(numel, block))
+
+
+def validate_block(block, threshold):
+    """``block`` (None, or a power of two >= 16, with ``threshold="auto"`` only), or a clear error."""
+    if block is None:
+        return None
+    if isinstance(block, bool) or not isinstance(block, int) or block < VALUES_PER_WORD or block & (block - 1):
+        raise ValueError("block must be None or a power of two of at least %d values (e.g. 512), got %r"
+                         % (VALUES_PER_WORD, block))
+    if threshold != "auto":
+        raise ValueError("block=%d gives each block its own automatic magnitude: use it with "
+                         "threshold='auto' (a numeric threshold is one value for the whole tensor)" % block)
+    return block
 
 
 def float_bits(x):
@@ -65,12 +95,15 @@ def bits_float(i):
     return struct.unpack("<f", struct.pack("<i", int(i)))[0]
 
 
-def make_header(numel, threshold, flags=0):
-    """The header words (a list of Python ints) for a payload of ``numel`` values."""
+def make_header(numel, threshold, flags=0, block=None):
+    """The header words (a list of Python ints) for a payload of ``numel`` values; with ``block``,
+    word 4 is the block size (and FLAG_BLOCKS is set) instead of the threshold."""
     numel = int(numel)
     lo = numel & 0xFFFFFFFF
     hi = numel >> 32
     as_i32 = lambda u: u - (1 << 32) if u >= (1 << 31) else u  # noqa: E731
+    if block:
+        return [(MAGIC << 16) | FORMAT_VERSION, int(flags) | FLAG_BLOCKS, as_i32(lo), as_i32(hi), int(block)]
     return [(MAGIC << 16) | FORMAT_VERSION, int(flags), as_i32(lo), as_i32(hi), float_bits(threshold)]
 
 
@@ -81,7 +114,7 @@ class PayloadMismatchError(RuntimeError):
 class Header:
     """A parsed payload header."""
 
-    __slots__ = ("version", "flags", "numel", "threshold")
+    __slots__ = ("version", "flags", "numel", "threshold", "block")
 
     def __init__(self, words):
         w = [int(x) & 0xFFFFFFFF for x in words]
@@ -92,7 +125,8 @@ class Header:
         self.version = w[0] & 0xFFFF
         self.flags = w[1]
         self.numel = w[2] | (w[3] << 32)
-        self.threshold = bits_float(words[4])
+        self.block = w[4] if self.flags & FLAG_BLOCKS else None
+        self.threshold = None if self.block else bits_float(words[4])
 
     @property
     def nonfinite(self):
@@ -105,8 +139,8 @@ class Header:
 
 def split_gathered(flat_words, nranks, name):
     """Parses an allgathered int32 buffer (a sequence of Python ints or a 1-D array) into
-    ``nranks`` (header, start, stop) triples, where ``flat_words[start:stop]`` are that rank's packed
-    words. Raises :class:`PayloadMismatchError`, with the same message on every rank, when the ranks
+    ``nranks`` (header, start, stop) triples, where ``flat_words[start:stop]`` are that rank's body
+    (its block magnitudes, if any, then its packed words). Raises :class:`PayloadMismatchError`, with the same message on every rank, when the ranks
     disagree on anything that makes the sum meaningless."""
     out, off = [], 0
     total = len(flat_words)
@@ -118,7 +152,7 @@ def split_gathered(flat_words, nranks, name):
                 % (name, rank))
         h = Header(flat_words[off:off + HEADER_WORDS])
         start = off + HEADER_WORDS
-        stop = start + num_words(h.numel)
+        stop = start + body_words(h.numel, h.block)
         out.append((h, start, stop))
         off = stop
     if off != total:
@@ -146,6 +180,11 @@ def check_headers(headers, name):
         raise PayloadMismatchError(
             "tensor %r: some ranks use threshold='auto' and others a fixed threshold %s: construct "
             "TwoBitCompressor with the same threshold on every rank" % (name, autos))
+    blocks = [h.block for h in headers]
+    if len(set(blocks)) != 1:
+        raise PayloadMismatchError(
+            "tensor %r: ranks use different block sizes %s (by rank; None: one magnitude per tensor): "
+            "construct TwoBitCompressor with the same block on every rank" % (name, blocks))
     if not autos[0]:
         ts = [h.threshold for h in headers]
         if len(set(float_bits(t) for t in ts)) != 1:

@@ -96,3 +96,76 @@ def test_rule_argument_environment_and_default(monkeypatch):
     monkeypatch.setenv("HOROVOD_TWOBIT_AUTO_RULE", "RMS")
     with pytest.raises(ValueError, match="HOROVOD_TWOBIT_AUTO_RULE must be one of"):
         TwoBitCompressor("auto")
+
+
+@pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms"])
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+@pytest.mark.parametrize("n,block", [(1, 16), (15, 16), (48, 16), (1000, 64), (70001, 512)])
+def test_block_levels_match_reference(monkeypatch, rule, path, n, block):
+    """block=B: one (threshold, magnitude) per block of B values (the last one may be shorter),
+    the pack and the commit use each value's block, bit for bit as the reference."""
+    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    rng = np.random.default_rng(n + block)
+    scale = np.repeat(rng.uniform(0.001, 2.0, wire.num_blocks(n, block)), block)[:n]  # per block
+    g = (rng.standard_normal(n) * scale).astype(np.float32)
+    r = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    tb, vb = ref.block_levels(r + g, block, rule)
+    assert tb.shape == vb.shape == (wire.num_blocks(n, block),)
+    for i, a in enumerate(range(0, n, block)):  # each block is auto_levels of its own values
+        assert (tb[i], vb[i]) == ref.auto_levels((r + g)[a:a + block], rule)
+    t, v = kernels.block_levels(torch.from_numpy(r), torch.from_numpy(g), block, rule)
+    np.testing.assert_array_equal(t.numpy().view(np.int32), tb.view(np.int32))
+    np.testing.assert_array_equal(v.numpy().view(np.int32), vb.view(np.int32))
+    rr, R = r.copy(), torch.from_numpy(r.copy())
+    want = ref.encode(g, rr, ref.per_value(tb, block, n), ref.per_value(vb, block, n))
+    tw, vw = kernels.per_word(t, block, n), kernels.per_word(v, block, n)
+    words, _ = kernels.pack(R, torch.from_numpy(g), tw)
+    np.testing.assert_array_equal(words.numpy(), want)
+    out = kernels.finish([words, words], [vw, vw], R, torch.from_numpy(g.copy()), tw, 2,
+                         magnitude=vw)
+    np.testing.assert_array_equal(R.numpy().view(np.int32), rr.view(np.int32))
+    np.testing.assert_array_equal(out.numpy(), ref.decode(want, n, ref.per_value(vb, block, n)))
+
+
+def test_block_header_and_body():
+    """With blocks, header word 4 is the block size and each rank's block magnitudes follow its
+    header; receivers decode each block of each sender with that sender's magnitude."""
+    from horovod_twobit.torch.communicator import _split
+    n, block, gathered, grads = 40, 16, [], []
+    for rank in range(2):
+        g = np.linspace(-1, 1, n).astype(np.float32) * (rank + 1)
+        t, v = ref.block_levels(g, block)
+        words = ref.encode(g, np.zeros(n, np.float32), ref.per_value(t, block, n), ref.per_value(v, block, n))
+        gathered += [np.array(wire.make_header(n, 1.0, wire.FLAG_AUTO, block), np.int32),
+                     v.view(np.int32), words]
+        grads.append(g)
+    flat = torch.from_numpy(np.concatenate(gathered))
+    assert flat.numel() == 2 * wire.payload_bytes(n, block) // 4 == 2 * (5 + 3 + 3)
+    parts = _split(flat, n, 2, "w", block)
+    assert [h.block for h, _ in parts] == [16, 16] and all(h.threshold is None for h, _ in parts)
+    w = ref.Workers(2, "auto", block=block)
+    want = w.allreduce("w", grads)
+    mags = [kernels.per_word(body[:3].view(torch.float32), block, n) for _, body in parts]
+    got = kernels.decode_sum([body[3:] for _, body in parts], mags, n, 2)
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert len({float(m[0]) for m in mags}) == 2  # the senders' magnitudes differ
+
+
+def test_block_sizes_must_agree():
+    a = wire.make_header(40, 1.0, wire.FLAG_AUTO, 16) + [0] * 6
+    b = wire.make_header(40, 1.0, wire.FLAG_AUTO, 32) + [0] * 5
+    c = wire.make_header(40, 1.0, wire.FLAG_AUTO) + [0] * 3
+    with pytest.raises(wire.PayloadMismatchError, match="different block sizes"):
+        wire.split_gathered(a + b, 2, "w")
+    with pytest.raises(wire.PayloadMismatchError, match="different block sizes"):
+        wire.split_gathered(a + c, 2, "w")
+
+
+def test_bad_block_values():
+    assert TwoBitCompressor("auto", block=512).block == 512
+    assert repr(TwoBitCompressor("auto", block=64)) == "TwoBitCompressor(threshold='auto', block=64)"
+    for bad in [0, 8, 100, 513, True, 512.0, "512", -16]:
+        with pytest.raises(ValueError, match="block must be None or a power of two of at least 16"):
+            TwoBitCompressor("auto", block=bad)
+    with pytest.raises(ValueError, match="use it with threshold='auto'"):
+        TwoBitCompressor(0.5, block=512)

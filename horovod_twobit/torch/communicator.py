@@ -20,7 +20,7 @@ class Exchange:
     """One tensor's part of a collective: what was sent, and what is needed to finish it."""
 
     __slots__ = ("tensor", "name", "residual", "threshold", "magnitude", "op", "scale", "nranks",
-                 "payload", "in_place")
+                 "payload", "in_place", "block")
 
     def __init__(self, compressor, tensor, name, op, prescale, postscale, process_set, in_place):
         if op not in (mpi_ops.Average, mpi_ops.Sum):
@@ -41,30 +41,47 @@ class Exchange:
         self.nranks = process_set.size()
         self.in_place = in_place
         self.magnitude = None  # a numeric threshold is also the magnitude sent
+        self.block = compressor.block
+        n = tensor.numel()
+        nb = wire.num_blocks(n, self.block)
         auto = self.threshold == "auto"
-        if auto:  # chosen from r + g on this rank; the magnitude goes in the header; no host sync
+        magnitudes = None
+        if auto and self.block:  # one (threshold, magnitude) per block; magnitudes follow the header
+            t, magnitudes = kernels.block_levels(self.residual.view(-1), codec.flat(tensor),
+                                                 self.block, compressor.auto_rule)
+            self.threshold = kernels.per_word(t, self.block, n)
+            self.magnitude = kernels.per_word(magnitudes, self.block, n)
+        elif auto:  # chosen from r + g on this rank; the magnitude goes in the header; no host sync
             self.threshold, self.magnitude = kernels.auto_levels(
                 self.residual.view(-1), codec.flat(tensor), compressor.auto_rule)
-        self.payload = torch.empty(wire.HEADER_WORDS + wire.num_words(tensor.numel()),
+        self.payload = torch.empty(wire.HEADER_WORDS + wire.body_words(n, self.block),
                                    dtype=torch.int32, device=tensor.device)
         header = self.payload[:wire.HEADER_WORDS]  # the words are packed straight behind it
         _, nonfinite = codec.quantize_pack(tensor, self.residual, self.threshold,
-                                           out=self.payload[wire.HEADER_WORDS:])
-        header.copy_(torch.tensor(wire.make_header(tensor.numel(), 1.0 if auto else self.threshold,
-                                                   wire.FLAG_AUTO if auto else 0), dtype=torch.int32))
+                                           out=self.payload[wire.HEADER_WORDS + nb:])
+        header.copy_(torch.tensor(wire.make_header(n, 1.0 if auto else self.threshold,
+                                                   wire.FLAG_AUTO if auto else 0, self.block),
+                                  dtype=torch.int32))
         header[1] |= nonfinite.to(torch.int32) * wire.FLAG_NONFINITE
-        if auto:
+        if magnitudes is not None:
+            self.payload[wire.HEADER_WORDS:wire.HEADER_WORDS + nb] = magnitudes.view(torch.int32)
+        elif auto:
             header[4] = self.magnitude.reshape(1).view(torch.int32)[0]
 
     def finish(self, gathered):
         """Decodes and sums the gathered payloads; commits the residual; returns the result."""
         n = self.tensor.numel()
-        parts = _split(gathered, n, self.nranks, self.name)
+        parts = _split(gathered, n, self.nranks, self.name, self.block)
         if any(h.nonfinite for h, _ in parts):
             out = torch.full((n,), float("nan"), dtype=torch.float32, device=self.tensor.device)
         else:
             divisor = self.nranks if self.op == mpi_ops.Average else 1
-            rows, ts = [w for _, w in parts], [h.threshold for h, _ in parts]
+            if self.block:  # each rank's block magnitudes, then its words
+                nb = wire.num_blocks(n, self.block)
+                rows = [w[nb:] for _, w in parts]
+                ts = [kernels.per_word(w[:nb].view(torch.float32), self.block, n) for _, w in parts]
+            else:
+                rows, ts = [w for _, w in parts], [h.threshold for h, _ in parts]
             g, r = codec.flat(self.tensor), self.residual.view(-1)
             if self.in_place and self.tensor.is_contiguous() and g.dtype == self.tensor.dtype:
                 # g is the tensor's own memory: commit and decode in one pass, written over it
@@ -82,9 +99,9 @@ class Exchange:
         return result
 
 
-def _split(gathered, numel, nranks, name):
-    """[(header, words)] per rank, or PayloadMismatchError with the same message on every rank."""
-    stride = wire.HEADER_WORDS + wire.num_words(numel)
+def _split(gathered, numel, nranks, name, block=None):
+    """[(header, body)] per rank, or PayloadMismatchError with the same message on every rank."""
+    stride = wire.HEADER_WORDS + wire.body_words(numel, block)
     if gathered.numel() == nranks * stride:
         rows = gathered.view(nranks, stride)
         heads = rows[:, :wire.HEADER_WORDS].tolist()

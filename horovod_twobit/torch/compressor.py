@@ -81,10 +81,18 @@ class TwoBitCompressor(Compressor):
             a fixed cost per call (about 0.1 ms on a CPU; see README's "Codec speed").
         rule: the rule of ``threshold="auto"``: ``"lsq"`` (default), ``"opt"`` (better with Adam),
             ``"mean"`` or ``"rms"``; default: ``HOROVOD_TWOBIT_AUTO_RULE``, else ``"lsq"``.
+        block: with ``threshold="auto"``, choose the threshold and magnitude per block of this
+            many consecutive values (a power of two, at least 16; 512 recommended) instead of per
+            tensor: each block's magnitude travels after the header (32 / block bits per value
+            more: 3 % more bytes for 512). Tensors whose rows differ in scale (gates of an LSTM,
+            embeddings, output projections) fit one magnitude badly; on the char-LSTM study this
+            brings momentum and Adam from 4-10 % above fp32's loss to about 2 % (README's
+            "Automatic threshold"). Default None: one magnitude per tensor, a constant header.
     """
 
-    def __init__(self, threshold=0.5, *, min_numel=0, rule=None):
+    def __init__(self, threshold=0.5, *, min_numel=0, rule=None, block=None):
         self.threshold = wire.validate_threshold(threshold)
+        self.block = wire.validate_block(block, self.threshold)
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError("min_numel must be a non-negative integer, got %r" % (min_numel,))
         self.min_numel = min_numel
@@ -100,6 +108,8 @@ class TwoBitCompressor(Compressor):
         extra = ", min_numel=%d" % self.min_numel if self.min_numel else ""
         if self.threshold == "auto" and self.auto_rule != wire.DEFAULT_RULE:
             extra += ", rule=%r" % self.auto_rule
+        if self.block:
+            extra += ", block=%d" % self.block
         return "TwoBitCompressor(threshold=%r%s)" % (self.threshold, extra)
 
     def compress(self, tensor):

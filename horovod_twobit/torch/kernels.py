@@ -66,32 +66,33 @@ def _commit_body(r, g, t, v):
 
 
 def _abs_sum_body(r, g):
-    """sum |r + g| in float64 (the automatic threshold's 'mean' rule)."""
-    return (r + g.to(torch.float32)).abs().to(torch.float64).sum()
+    """sum |r + g| in float64 over the last dimension (the automatic threshold's 'mean' rule)."""
+    return (r + g.to(torch.float32)).abs().to(torch.float64).sum(-1)
 
 
 def _sq_sum_body(r, g):
-    """sum (r + g)^2 in float64 (the 'rms' rule)."""
+    """sum (r + g)^2 in float64 over the last dimension (the 'rms' rule)."""
     x = (r + g.to(torch.float32)).to(torch.float64)
-    return (x * x).sum()
+    return (x * x).sum(-1)
 
 
 OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 
 
 def _ternary_errors_body(r, g, ts):
-    """Squared error of the ternary code for each threshold in the float64 vector ``ts``."""
+    """Squared error of the ternary code for each threshold in the float64 ``ts`` (last dimension:
+    one per multiple; leading ones: one row of r and g each), summed over the last dimension."""
     a = (r + g.to(torch.float32)).abs().to(torch.float64)
-    return torch.stack([torch.where(a >= ts[i], (a - ts[i]) ** 2, a * a).sum()
-                        for i in range(len(OPT_MULTIPLES))])
+    return torch.stack([torch.where(a >= ts[..., i:i + 1], (a - ts[..., i:i + 1]) ** 2, a * a).sum(-1)
+                        for i in range(len(OPT_MULTIPLES))], -1)
 
 
 def _lsq_body(r, g, ts):
-    """(count, sum) of |r + g| where |r + g| >= t, for each t in the float64 vector ``ts``."""
+    """(count, sum) of |r + g| where |r + g| >= t, for each t in the float64 ``ts`` (as above)."""
     a = (r + g.to(torch.float32)).abs().to(torch.float64)
-    return torch.stack([torch.stack([(a >= ts[i]).to(torch.float64).sum(),
-                                     torch.where(a >= ts[i], a, 0.0).sum()])
-                        for i in range(len(OPT_MULTIPLES))])
+    return torch.stack([torch.stack([(a >= ts[..., i:i + 1]).to(torch.float64).sum(-1),
+                                     torch.where(a >= ts[..., i:i + 1], a, 0.0).sum(-1)], -1)
+                        for i in range(len(OPT_MULTIPLES))], -2)
 
 
 _BODIES = {"codes": _codes_body, "commit": _commit_body,
@@ -138,6 +139,17 @@ def _t(value, device):
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
+def _head(level, w):
+    """A threshold or magnitude for the first ``w`` words' (w, 16) view: a 0-d one as it is, a
+    per-word one (see :func:`per_word`) as a (w, 1) column."""
+    return level[:w].unsqueeze(1) if level.dim() else level
+
+
+def _at(level, i):
+    """A threshold or magnitude for word ``i`` alone."""
+    return level[i] if level.dim() else level
+
+
 AUTO_RULES, DEFAULT_RULE = wire.AUTO_RULES, wire.DEFAULT_RULE
 _FLT_MIN = torch.finfo(torch.float32).tiny
 
@@ -148,28 +160,32 @@ def auto_levels(r, g, rule=DEFAULT_RULE):
     :func:`horovod_twobit.reference.auto_levels` (``lsq``: the least-squares magnitude of the
     error-minimising support; ``opt``, ``mean``, ``rms``: magnitude = threshold), with sums in
     float64, each value rounded to float32 once and never below the smallest normal float32 (so
-    zeros are never sent). Matches the reference bit for bit."""
-    n = g.numel()
-    if n == 0:
-        one = torch.ones((), dtype=torch.float32, device=g.device)
+    zeros are never sent). Matches the reference bit for bit. For 2-D r and g, one pair per row
+    (two 1-D tensors)."""
+    n = g.shape[-1]
+    if g.numel() == 0:
+        one = torch.ones(g.shape[:-1], dtype=torch.float32, device=g.device)
         return one, one
     rule, _, k = rule.partition("*")
     if rule == "mean":
-        t = v = _call("abs_sum", n, r, g) / n
+        t = v = _call("abs_sum", g.numel(), r, g) / n
     elif rule in ("opt", "lsq"):
-        m = _call("abs_sum", n, r, g) / n
-        ts = m * torch.tensor(OPT_MULTIPLES, dtype=torch.float64, device=g.device)
+        m = _call("abs_sum", g.numel(), r, g) / n
+        ts = m.unsqueeze(-1) * torch.tensor(OPT_MULTIPLES, dtype=torch.float64, device=g.device)
         if rule == "opt":
-            t = v = ts[torch.argmin(_call("errors", n, r, g, ts))]
+            best = torch.argmin(_call("errors", g.numel(), r, g, ts), -1, keepdim=True)
+            t = v = ts.gather(-1, best).squeeze(-1)
         else:
-            cs = _call("lsq", n, r, g, ts)
-            count, total = cs[:, 0], cs[:, 1]
+            cs = _call("lsq", g.numel(), r, g, ts)
+            count, total = cs[..., 0], cs[..., 1]
             has = count > 0
-            best = torch.argmax(torch.where(has, total * total / torch.where(has, count, 1.0), 0.0))
-            t = ts[best]
-            v = torch.where(has[best], total[best] / torch.where(has[best], count[best], 1.0), t)
+            score = torch.where(has, total * total / torch.where(has, count, 1.0), 0.0)
+            best = torch.argmax(score, -1, keepdim=True)
+            t = ts.gather(-1, best).squeeze(-1)
+            count, total = count.gather(-1, best).squeeze(-1), total.gather(-1, best).squeeze(-1)
+            v = torch.where(count > 0, total / torch.where(count > 0, count, 1.0), t)
     elif rule == "rms":
-        t = v = (_call("sq_sum", n, r, g) / n).sqrt()
+        t = v = (_call("sq_sum", g.numel(), r, g) / n).sqrt()
     else:
         raise ValueError("unknown automatic threshold rule %r (known: %s)" % (rule, AUTO_RULES))
     out = []
@@ -177,6 +193,33 @@ def auto_levels(r, g, rule=DEFAULT_RULE):
         y = (y * float(k) if k else y).to(torch.float32)
         out.append(torch.where(y < _FLT_MIN, torch.full_like(y, _FLT_MIN), y))
     return tuple(out)
+
+
+def block_levels(r, g, block, rule=DEFAULT_RULE):
+    """Per-block :func:`auto_levels` of 1-D r + g: ``(thresholds, magnitudes)``, two 1-D float32
+    tensors of ceil(n / block) values (the last block may be shorter), as
+    :func:`horovod_twobit.reference.block_levels`."""
+    n = g.numel()
+    full = n - n % block
+    ts, vs = [], []
+    if full:
+        t, v = auto_levels(r[:full].view(-1, block), g[:full].view(-1, block), rule)
+        ts.append(t)
+        vs.append(v)
+    if full < n:
+        t, v = auto_levels(r[full:], g[full:], rule)
+        ts.append(t.reshape(1))
+        vs.append(v.reshape(1))
+    if not ts:
+        empty = torch.empty(0, dtype=torch.float32, device=g.device)
+        return empty, empty
+    return torch.cat(ts), torch.cat(vs)
+
+
+def per_word(levels, block, numel):
+    """Per-block values repeated for each packed word of their block: 1-D, ceil(numel / 16) long.
+    The kernels take these wherever they take a threshold or magnitude."""
+    return levels.repeat_interleave(block // wire.VALUES_PER_WORD)[:wire.num_words(numel)]
 
 
 def auto_threshold(r, g, rule=DEFAULT_RULE):
@@ -198,7 +241,8 @@ _BODIES["bytes_into"] = _bytes_into_body
 def pack(r, g, threshold, out=None):
     """(int32 words, non-finite flag as a 0-d bool tensor) for ternary(r + g); r and g are 1-D
     with the same length; nothing is modified. The words go into ``out`` (1-D int32,
-    ceil(n / 16) long) when given, else into a new tensor.
+    ceil(n / 16) long) when given, else into a new tensor. ``threshold``: a number, a 0-d tensor,
+    or one per word (:func:`per_word`).
 
     Whole words run in chunks of PACK_CHUNK values, each a codes pass and a packing pass: the
     chunk's codes (one byte per value) stay in cache between the two and their buffer is reused,
@@ -211,14 +255,18 @@ def pack(r, g, threshold, out=None):
     flag = None
     for a in range(0, m, PACK_CHUNK):
         b = min(m, a + PACK_CHUNK)
-        codes, bad = _call("codes", m, r[a:b], g[a:b], t)
-        _call("bytes_into", m, codes.view(torch.int32), byts[a // 4:b // 4])
+        if t.dim():  # one threshold per word: (words, 16) views against a (words, 1) column
+            codes, bad = _call("codes", m, r[a:b].view(-1, 16), g[a:b].view(-1, 16),
+                               t[a // 16:b // 16].unsqueeze(1))
+        else:
+            codes, bad = _call("codes", m, r[a:b], g[a:b], t)
+        _call("bytes_into", m, codes.reshape(-1).view(torch.int32), byts[a // 4:b // 4])
         flag = bad if flag is None else flag | bad
     if m < n:
         pad = wire.VALUES_PER_WORD - (n - m)
         rt = torch.nn.functional.pad(r[m:], (0, pad))
         gt = torch.nn.functional.pad(g[m:].to(torch.float32), (0, pad))
-        codes, bad = _codes_body(rt, gt, t)
+        codes, bad = _codes_body(rt, gt, _at(t, m // 16))
         byts[m // 4:].copy_(_bytes_body(codes.view(torch.int32)))
         flag = bad if flag is None else flag | bad
     if flag is None:
@@ -228,10 +276,20 @@ def pack(r, g, threshold, out=None):
 
 def commit(r, g, threshold, magnitude=None):
     """r <- (r + g) - q in place (r 1-D contiguous float32, g 1-D of the same length); q is
-    +-magnitude (default: the threshold) where |r + g| reaches the threshold."""
-    if r.numel():
+    +-magnitude (default: the threshold) where |r + g| reaches the threshold. Either may be one
+    per word (:func:`per_word`)."""
+    n = r.numel()
+    if n:
         t = _t(threshold, r.device)
-        _call("commit", r.numel(), r, g, t, t if magnitude is None else _t(magnitude, r.device))
+        v = t if magnitude is None else _t(magnitude, r.device)
+        if not (t.dim() or v.dim()):
+            return _call("commit", n, r, g, t, v)
+        m = n - n % wire.VALUES_PER_WORD
+        w = m // wire.VALUES_PER_WORD
+        if m:
+            _call("commit", n, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w), _head(v, w))
+        if m < n:
+            _commit_body(r[m:], g[m:], _at(t, w), _at(v, w))
 
 
 _SHIFTS = {}
@@ -277,7 +335,7 @@ _BODIES["finish"] = _finish_body
 
 def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
     """float32 sum, in rank order, of the decoded ``rows`` (1-D int32 words, one per rank, each
-    with ``thresholds[i]``), divided by ``divisor`` and multiplied by ``scale``: the reference's
+    with ``thresholds[i]``: a number, or one per word), divided by ``divisor`` and multiplied by ``scale``: the reference's
     float32 operations in the reference's order (v0 + v1 + ..., then / divisor, then * scale).
     The padding codes of the last word are 00, so decoding whole words and keeping the first
     ``numel`` values is exact."""
@@ -285,7 +343,7 @@ def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
     if numel == 0:
         return torch.empty(0, dtype=torch.float32, device=dev)
     nw = wire.num_words(numel)
-    out = _call("decode", numel, [w[:nw] for w in rows], [_t(t, dev) for t in thresholds],
+    out = _call("decode", numel, [w[:nw] for w in rows], [_head(_t(t, dev), nw) for t in thresholds],
                 _shifts(dev), _t(divisor, dev), _t(scale, dev))
     return out[:numel]
 
@@ -295,7 +353,8 @@ def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, 
     as :func:`commit`, with ``magnitude``) and writes the decode-sum of ``rows`` (as
     :func:`decode_sum`) into ``out`` (1-D, float32 or g's dtype, rounded from the float32 sum),
     or over ``g`` itself when ``out`` is None: the in-place allreduce of a gradient then needs no output allocation and no copy.
-    ``r`` is 1-D contiguous float32; ``g`` 1-D contiguous. Returns the tensor written."""
+    ``r`` is 1-D contiguous float32; ``g`` 1-D contiguous. Thresholds and magnitudes may be one
+    per word (:func:`per_word`). Returns the tensor written."""
     n = g.numel()
     dest = g if out is None else out
     if n == 0:
@@ -307,10 +366,13 @@ def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, 
     v = t if magnitude is None else _t(magnitude, dev)
     if m:
         w = m // wire.VALUES_PER_WORD
-        _call("finish", m, [row[:w] for row in rows], ts, _shifts(dev), divisor, scale,
-              r[:m].view(w, 16), g[:m].view(w, 16), t, v, None if out is None else out[:m].view(w, 16))
+        _call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts], _shifts(dev),
+              divisor, scale, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w), _head(v, w),
+              None if out is None else out[:m].view(w, 16))
     if m < n:  # the last, partial word: commit its values, decode it whole, keep what is real
-        _commit_body(r[m:], g[m:], t, v)
-        last = [row[m // wire.VALUES_PER_WORD:wire.num_words(n)] for row in rows]
-        dest[m:].copy_(_decode_body(last, ts, _shifts(dev), divisor, scale)[:n - m].to(dest.dtype))
+        w = m // wire.VALUES_PER_WORD
+        _commit_body(r[m:], g[m:], _at(t, w), _at(v, w))
+        last = [row[w:wire.num_words(n)] for row in rows]
+        dest[m:].copy_(_decode_body(last, [_at(x, w) for x in ts], _shifts(dev), divisor,
+                                    scale)[:n - m].to(dest.dtype))
     return dest
