@@ -29,28 +29,35 @@ OPTIMIZERS = {
 METHODS = ["none", "fp16", "0.5", "0.05", "0.005", "auto"]
 
 
-def compression_of(method):
-    """none, fp16, a number (fixed threshold), or auto[-RULE][@MIN]: threshold="auto" with that
-    rule, leaving tensors of fewer than MIN values uncompressed (min_numel)."""
-    if method == "none":
-        return hvd.Compression.none
-    if method == "fp16":
-        return hvd.Compression.fp16
+def parse_method(method):
+    """none, fp16, a number (fixed threshold), or auto[-RULE][/BLOCK][@MIN]: threshold="auto" with
+    that rule and block size, leaving tensors of fewer than MIN values uncompressed (min_numel).
+    Returns (threshold or method, keyword arguments of TwoBitCompressor)."""
     method, _, min_numel = method.partition("@")
+    method, _, block = method.partition("/")
+    kw = dict(min_numel=int(min_numel or 0), block=int(block) if block else None)
     if method.startswith("auto"):
-        return TwoBitCompressor("auto", rule=method.partition("-")[2] or None,
-                                min_numel=int(min_numel or 0))
-    return TwoBitCompressor(float(method), min_numel=int(min_numel or 0))
+        return "auto", dict(kw, rule=method.partition("-")[2] or None)
+    return (method if method in ("none", "fp16") else float(method)), kw
+
+
+def compression_of(method):
+    threshold, kw = parse_method(method)
+    if threshold == "none":
+        return hvd.Compression.none
+    if threshold == "fp16":
+        return hvd.Compression.fp16
+    return TwoBitCompressor(threshold, **kw)
 
 
 def payload_bytes(model, method):
     sizes = [p.numel() for p in model.parameters()]
-    if method == "none":
+    threshold, kw = parse_method(method)
+    if threshold == "none":
         return 4 * sum(sizes)
-    if method == "fp16":
+    if threshold == "fp16":
         return 2 * sum(sizes)
-    min_numel = int(method.partition("@")[2] or 0)
-    return sum(wire.payload_bytes(n) if n >= min_numel else 4 * n for n in sizes)
+    return sum(wire.payload_bytes(n, kw["block"]) if n >= kw["min_numel"] else 4 * n for n in sizes)
 
 
 def make_optimizer(model, kind, params, method):

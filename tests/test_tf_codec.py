@@ -261,6 +261,51 @@ def test_auto_exchange_headers_and_per_sender_decode(monkeypatch, graph, rule, p
                                           _bits(sim.residuals[rank]["w"]))
 
 
+@pytest.mark.parametrize("rule", ["lsq", "opt"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_block_exchange_matches_simulation(graph, rule, path):
+    """block=32: the header carries FLAG_BLOCKS and the block size, each sender's block magnitudes
+    follow it, receivers decode each block with its sender's magnitude; results and residuals are
+    the NumPy simulation's (the PyTorch binding's test uses the same reference)."""
+    from horovod_twobit import wire
+    from horovod_twobit.tensorflow import TwoBitCompressor, codec
+    nranks, n, block = 3, 101, 32  # three whole blocks and a partial one, a partial last word
+    cs = [TwoBitCompressor("auto", rule=rule, block=block) for _ in range(nranks)]
+    sim = ref.Workers(nranks, "auto", rule=rule, block=block)
+    rng = np.random.default_rng(5)
+    exchange = _exchanger(cs, "b", graph)
+    for step in range(4):
+        scale = np.repeat([0.01, 1.0, 30.0, 0.3], block)[:n]  # each block its own scale
+        grads = [(rng.standard_normal(n) * scale * (k + 1)).astype(np.float32) for k in range(nranks)]
+        payloads, outs = exchange(grads)
+        want = sim.allreduce("b", grads)
+        for rank in range(nranks):
+            p = payloads[rank].numpy()
+            assert p.size == wire.payload_bytes(n, block) // 4
+            h = wire.Header(p[:wire.HEADER_WORDS])
+            assert h.auto and h.block == block and h.numel == n
+            np.testing.assert_array_equal(p[wire.HEADER_WORDS:wire.HEADER_WORDS + 4],
+                                          sim.last_thresholds["b"][rank].view(np.int32))
+            np.testing.assert_array_equal(_bits(outs[rank].numpy()), _bits(want))
+            np.testing.assert_array_equal(_bits(cs[rank].residuals.variable("b").numpy()),
+                                          _bits(sim.residuals[rank]["b"]))
+    r, g = _auto_inputs(70001)
+    for got, want in zip(codec.block_levels(r, g, 512, rule), ref.block_levels(r + g, 512, rule)):
+        np.testing.assert_array_equal(got.numpy().view(np.int32), want.view(np.int32))
+
+
+def test_block_arguments():
+    from horovod_twobit.tensorflow import PayloadMismatchError, TwoBitCompressor
+    assert repr(TwoBitCompressor("auto", block=64)) == "TwoBitCompressor(threshold='auto', block=64)"
+    with pytest.raises(ValueError, match="block must be None or a power of two of at least 16"):
+        TwoBitCompressor("auto", block=100)
+    with pytest.raises(ValueError, match="use it with threshold='auto'"):
+        TwoBitCompressor(0.1, block=64)
+    cs = [TwoBitCompressor("auto", block=16), TwoBitCompressor("auto")]
+    with pytest.raises(PayloadMismatchError, match="different block sizes"):
+        _exchanger(cs, "m", graph=False)([np.ones(40, np.float32)] * 2)
+
+
 def test_auto_and_fixed_refuse_to_mix():
     from horovod_twobit.tensorflow import PayloadMismatchError, TwoBitCompressor
     cs = [TwoBitCompressor("auto"), TwoBitCompressor(0.5)]

@@ -14,35 +14,38 @@ from horovod_twobit import reference as ref
 VARS = ["hidden/bias", "hidden/kernel", "out/bias", "out/kernel"]
 
 
-@pytest.mark.parametrize("mode,np_,groups,threshold", [
-    ("tape_eager", 2, 0, 0.5),
-    ("tape_eager", 3, 2, 0.1),
-    ("tape_function", 2, 0, 0.1),
-    ("tape_function", 3, 0, 0.5),
-    ("keras", 2, 0, 0.5),
-    ("keras", 3, 2, 0.1),
+@pytest.mark.parametrize("mode,np_,groups,threshold,block", [
+    ("tape_eager", 2, 0, 0.5, None),
+    ("tape_eager", 3, 2, 0.1, None),
+    ("tape_function", 2, 0, 0.1, None),
+    ("tape_function", 3, 0, 0.5, None),
+    ("keras", 2, 0, 0.5, None),
+    ("keras", 3, 2, 0.1, None),
     # threshold="auto": each rank's own t per tensor and step, carried in the header
-    ("tape_function", 2, 0, "auto"),
-    ("keras", 3, 2, "auto"),
+    ("tape_function", 2, 0, "auto", None),
+    ("keras", 3, 2, "auto", None),
+    # block=32: one magnitude per block of 32 values (whole and partial blocks), after the header
+    ("tape_function", 3, 2, "auto", 32),
 ])
-def test_training_matches_simulation(tmp_path, mode, np_, groups, threshold):
+def test_training_matches_simulation(tmp_path, mode, np_, groups, threshold, block):
     jobs.run(np_, "tf_train.py", "--out", tmp_path, "--mode", mode, "--steps", 20,
-             "--threshold", threshold, "--groups", groups, timeout=240)
+             "--threshold", threshold, "--groups", groups, *(("--block", block) if block else ()),
+             timeout=240)
     ranks = sim.load_ranks(str(tmp_path), np_)
     # every rank's averaged gradients equal the N-worker simulation's, bit for bit, for 20 steps,
     # and the weights end identical on every rank
-    sim.check_training(ranks, threshold, 20)
+    sim.check_training(ranks, threshold, 20, block=block)
     # an ordinary allreduce in the same job is exact and uncompressed
     want = sum(np.arange(10, dtype=np.float32) * (r + 1) + np.float32(0.001) for r in range(np_))
     for r in ranks:
         np.testing.assert_array_equal(r["plain"], want.astype(np.float32))
     # hvd.allreduce(t, name="direct", compression=...) inside a tf.function traced for two input
     # signatures: one residual under its name, carried from one call to the next
-    w = ref.Workers(np_, threshold)
+    w = ref.Workers(np_, threshold, block=block)
     for i in range(2):
         expect = w.allreduce("direct", [r["direct_in/%d" % i] for r in ranks])
         if threshold == "auto":  # one t per sender, each decoded with its own
-            assert len(set(float(t) for t in w.last_thresholds["direct"])) == np_
+            assert len(set(float(np.atleast_1d(t)[-1]) for t in w.last_thresholds["direct"])) == np_
         for r in ranks:
             np.testing.assert_array_equal(r["direct_out/%d" % i], expect)
     # hvd.grouped_allreduce(name="grp", op=hvd.Sum): floats compressed as "grp.<i>", int32 exact

@@ -6,7 +6,7 @@ is the one the PyTorch and NumPy codecs produce (MXNet's): byte k of a word hold
 the first of them in the byte's two highest bits.
 
 Thresholds are numbers, or (for ``threshold="auto"``) 0-d float32 tensors from
-:func:`auto_threshold`.
+:func:`auto_threshold`, or (with blocks) one per value (:func:`per_value`).
 """
 
 import tensorflow as tf
@@ -55,18 +55,62 @@ def auto_levels(residual, grad, rule=DEFAULT_RULE):
     rule, _, k = rule.partition("*")
     if rule not in AUTO_RULES:
         raise ValueError("unknown automatic threshold rule %r (known: %s)" % (rule, AUTO_RULES))
+    x = _compensated(residual, grad)
+    n = x.shape.num_elements()
+    if n == 0:
+        return tf.ones([], tf.float32), tf.ones([], tf.float32)
+    t, v = _row_levels(x[None, :], rule, k)
+    levels = []
+    for y in (t[0], v[0]):
+        if n is None:  # a length known only at run time
+            y = tf.where(tf.equal(tf.size(x), 0), tf.constant(1.0, tf.float32), y)
+        levels.append(y)
+    return tuple(levels)
+
+
+def block_levels(residual, grad, block, rule=DEFAULT_RULE):
+    """Per-block :func:`auto_levels` (``TwoBitCompressor("auto", block=...)``): ``(thresholds,
+    magnitudes)``, two 1-D float32 tensors of ceil(n / block) values, block b covering values
+    b * block up to (b + 1) * block (the last block may be shorter); bit for bit
+    :func:`horovod_twobit.reference.block_levels`. The tensor's size must be static."""
+    rule, _, k = rule.partition("*")
+    if rule not in AUTO_RULES:
+        raise ValueError("unknown automatic threshold rule %r (known: %s)" % (rule, AUTO_RULES))
+    x = _compensated(residual, grad)
+    n = x.shape.num_elements()
+    if n is None:
+        raise ValueError("block=%d needs tensors of a size known when the graph is built" % block)
+    full = n - n % block
+    parts = []
+    if full:
+        parts.append(_row_levels(tf.reshape(x[:full], [-1, block]), rule, k))
+    if full < n:
+        parts.append(_row_levels(x[None, full:], rule, k))
+    if not parts:
+        return tf.zeros([0], tf.float32), tf.zeros([0], tf.float32)
+    return tuple(tf.concat([p[i] for p in parts], 0) for i in (0, 1))
+
+
+def per_value(levels, block, numel):
+    """Per-block values repeated over each block's values: 1-D float32, ``numel`` long (what the
+    codec's ops take wherever they take a threshold or magnitude)."""
+    return tf.repeat(levels, block)[:numel]
+
+
+def _compensated(residual, grad):
     if isinstance(grad, tf.IndexedSlices):
         raise TypeError("grad is a tf.IndexedSlices: densify it first")
     r = tf.reshape(tf.convert_to_tensor(residual), [-1])
     if r.dtype != tf.float32:
         raise TypeError("residual must be float32, got %s" % r.dtype.name)
-    x = r + _flat32(tf.convert_to_tensor(grad))
-    n = x.shape.num_elements()
-    if n == 0:
-        return tf.ones([], tf.float32), tf.ones([], tf.float32)
+    return r + _flat32(tf.convert_to_tensor(grad))
+
+
+def _row_levels(x, rule, k):
+    """(thresholds, magnitudes), float32, one per row of the float32 ``x`` (rows, m > 0)."""
     a = tf.cast(tf.abs(x), tf.float64)
-    total = tf.reduce_sum(a * a) if rule == "rms" else tf.reduce_sum(a)
-    count = tf.cast(tf.size(x, out_type=tf.int64), tf.float64)
+    total = tf.reduce_sum(a * a if rule == "rms" else a, axis=-1)
+    count = tf.cast(tf.shape(x, out_type=tf.int64)[-1], tf.float64)
     # Not total / count: inside a tf.function Grappler turns a division by a constant into a
     # multiplication by its reciprocal, which is not the correctly rounded quotient NumPy computes.
     # DivNoNan is left alone (and count > 0 here).
@@ -75,30 +119,26 @@ def auto_levels(residual, grad, rule=DEFAULT_RULE):
         t = tf.sqrt(t)
     v = t
     if rule in ("opt", "lsq"):
-        ts = t * tf.constant(OPT_MULTIPLES, tf.float64)
+        ts = t[:, None] * tf.constant(OPT_MULTIPLES, tf.float64)
+        cuts = [ts[:, i:i + 1] for i in range(len(OPT_MULTIPLES))]
         if rule == "opt":
-            errs = tf.stack([tf.reduce_sum(tf.where(a >= ts[i], tf.square(a - ts[i]), a * a))
-                             for i in range(len(OPT_MULTIPLES))])
-            t = v = tf.gather(ts, tf.argmin(errs))
+            errs = tf.stack([tf.reduce_sum(tf.where(a >= c, tf.square(a - c), a * a), -1)
+                             for c in cuts], -1)
+            t = v = tf.gather(ts, tf.argmin(errs, -1), batch_dims=1)
         else:
             zero = tf.zeros_like(a)
-            counts = tf.stack([tf.reduce_sum(tf.where(a >= ts[i], zero + 1.0, zero))
-                               for i in range(len(OPT_MULTIPLES))])
-            sums = tf.stack([tf.reduce_sum(tf.where(a >= ts[i], a, zero))
-                             for i in range(len(OPT_MULTIPLES))])
-            best = tf.argmax(tf.math.divide_no_nan(sums * sums, counts))  # 0 where nothing is sent
-            t = tf.gather(ts, best)
-            c, s = tf.gather(counts, best), tf.gather(sums, best)
+            counts = tf.stack([tf.reduce_sum(tf.where(a >= c, zero + 1.0, zero), -1) for c in cuts], -1)
+            sums = tf.stack([tf.reduce_sum(tf.where(a >= c, a, zero), -1) for c in cuts], -1)
+            best = tf.argmax(tf.math.divide_no_nan(sums * sums, counts), -1)  # 0 where nothing is sent
+            t = tf.gather(ts, best, batch_dims=1)
+            c, s = tf.gather(counts, best, batch_dims=1), tf.gather(sums, best, batch_dims=1)
             v = tf.where(c > 0, tf.math.divide_no_nan(s, c), t)
     levels = []
     for y in (t, v):
         if k:
             y = y * float(k)
         y = tf.cast(y, tf.float32)
-        y = tf.where(y < FLT_MIN, tf.constant(FLT_MIN, tf.float32), y)  # NaN stays NaN
-        if n is None:  # a length known only at run time
-            y = tf.where(tf.equal(tf.size(x), 0), tf.constant(1.0, tf.float32), y)
-        levels.append(y)
+        levels.append(tf.where(y < FLT_MIN, tf.constant(FLT_MIN, tf.float32), y))  # NaN stays NaN
     return tuple(levels)
 
 

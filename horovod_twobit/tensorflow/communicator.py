@@ -45,7 +45,16 @@ class Exchange:
         self.grad = codec._flat32(tensor)
         self.before = self.residual.read_value()
         self.auto = self.mode == "auto"
-        if self.auto:
+        self.block = compressor.block
+        n = self.numel
+        if self.block:
+            # one (threshold, magnitude) per block of values; the magnitudes follow the header
+            tb, vb = codec.block_levels(self.before, self.grad, self.block, compressor.auto_rule)
+            self.threshold = codec.per_value(tb, self.block, n)
+            self.magnitude = codec.per_value(vb, self.block, n)
+            head = wire.make_header(n, 1.0, wire.FLAG_AUTO, self.block)
+            tbits = tf.concat([tf.constant(head[4:], tf.int32), tf.bitcast(vb, tf.int32)], 0)
+        elif self.auto:
             # chosen from r + g on this rank; the magnitude is carried in the header (word 4,
             # float32 bits) and the residual commit uses both. Tensors: no host sync.
             self.threshold, self.magnitude = codec.auto_levels(self.before, self.grad,
@@ -66,10 +75,14 @@ class Exchange:
         (the tensor's shape and dtype)."""
         n, t = self.numel, self.threshold
         raw = gathered
-        gathered, checked = validated(raw, n, self.mode, self.nranks, self.key)
-        rows = tf.reshape(gathered, [self.nranks, wire.HEADER_WORDS + wire.num_words(n)])
+        gathered, checked = validated(raw, n, self.mode, self.nranks, self.key, self.block)
+        rows = tf.reshape(gathered, [self.nranks, wire.HEADER_WORDS + wire.body_words(n, self.block)])
         # "auto": each sender's payload is decoded with that sender's threshold, from its header
         ts = tf.bitcast(rows[:, 4], tf.float32) if self.auto else None
+        nb = wire.num_blocks(n, self.block)
+        if self.block:  # each sender's block magnitudes, one per word of its block
+            ts = tf.repeat(tf.bitcast(rows[:, wire.HEADER_WORDS:wire.HEADER_WORDS + nb], tf.float32),
+                           self.block // wire.VALUES_PER_WORD, axis=1)[:, :wire.num_words(n)]
         # ``checked`` is True once the header check passed (it raises otherwise). Using it as data
         # makes the result and the residual update wait for the check in a graph.
         bad = tf.logical_or(tf.logical_not(checked), tf.reduce_any(tf.not_equal(
@@ -78,12 +91,13 @@ class Exchange:
             # Divided by the number of payloads gathered, a run-time value: Grappler rewrites a
             # division by a constant into a multiplication by its reciprocal, which is not the same
             # float32 result (x / 3 != x * (1 / 3) for some x), and every binding must divide.
-            count = tf.cast(tf.size(raw) // (wire.HEADER_WORDS + wire.num_words(n)), tf.float32)
+            count = tf.cast(tf.size(raw) // (wire.HEADER_WORDS + wire.body_words(n, self.block)),
+                            tf.float32)
         else:
             count = tf.constant(1.0, tf.float32)
         if ts is None:
             ts = tf.fill([self.nranks], tf.constant(t, tf.float32))
-        out, new = kernels.finish(rows[:, wire.HEADER_WORDS:], ts, bad, count, self.grad,
+        out, new = kernels.finish(rows[:, wire.HEADER_WORDS + nb:], ts, bad, count, self.grad,
                                   tf.reshape(self.before, [-1]), t, self.op == mpi_ops.Average,
                                   self.scale, self.magnitude)
         update = self.residual.assign(new)
@@ -94,11 +108,12 @@ class Exchange:
             return tf.identity(result)
 
 
-def validated(gathered, numel, threshold, nranks, key):
+def validated(gathered, numel, threshold, nranks, key, block=None):
     """Returns ``(fitted, checked)``: ``gathered`` cut or padded to ``nranks`` payloads of this
     rank's size, and a boolean tensor that is True once every rank's header is known to agree with
     this rank's (``threshold``: this rank's number, or ``"auto"``: then every header must carry
-    :data:`~horovod_twobit.wire.FLAG_AUTO`, and the thresholds may differ). Raises
+    :data:`~horovod_twobit.wire.FLAG_AUTO`, and the thresholds may differ; with ``block``, every
+    header must carry the same block size and :data:`~horovod_twobit.wire.FLAG_BLOCKS`). Raises
     PayloadMismatchError on every rank otherwise (eagerly: here; in a graph: when the check op
     runs).
 
@@ -106,9 +121,9 @@ def validated(gathered, numel, threshold, nranks, key):
     it before ops that merely carry a control dependency on it: so nothing downstream may fail on a
     buffer of the wrong size and pre-empt the check's error (hence the fitted buffer), and what must
     wait for the check takes ``checked`` as data."""
-    stride = wire.HEADER_WORDS + wire.num_words(numel)
+    stride = wire.HEADER_WORDS + wire.body_words(numel, block)
     auto = isinstance(threshold, str) and threshold == "auto"
-    head = wire.make_header(numel, 1.0 if auto else threshold)
+    head = wire.make_header(numel, 1.0 if auto else threshold, wire.FLAG_AUTO if auto else 0, block)
 
     # If every header equals this rank's (format, size, fixed threshold or "auto") then every
     # rank's own header, being among them, equals this one and every rank decides True; if not,
@@ -118,11 +133,11 @@ def validated(gathered, numel, threshold, nranks, key):
     size = tf.size(gathered)
     fitted = tf.pad(gathered[:need], [[0, tf.maximum(0, need - size)]])
     h = tf.reshape(fitted, [nranks, stride])[:, :wire.HEADER_WORDS]
-    cols = [0, 2, 3] if auto else [0, 2, 3, 4]
+    cols = [0, 2, 3] if auto and not block else [0, 2, 3, 4]
     same = tf.reduce_all(tf.equal(tf.gather(h, cols, axis=1),
                                   tf.constant([[head[c] for c in cols]], tf.int32)))
-    flag = tf.bitwise.bitwise_and(h[:, 1], wire.FLAG_AUTO)
-    mode = tf.reduce_all(tf.not_equal(flag, 0) if auto else tf.equal(flag, 0))
+    modes = wire.FLAG_AUTO | wire.FLAG_BLOCKS  # these flags must be this rank's
+    mode = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(h[:, 1], modes), head[1] & modes))
     ok = tf.logical_and(tf.equal(size, need), tf.logical_and(same, mode))
     if tf.executing_eagerly():
         if not bool(ok):

@@ -214,11 +214,16 @@ class TwoBitCompressor(Compressor, tf.Module):
         name: the module's name.
         rule: the rule of ``threshold="auto"``: ``"lsq"`` (default), ``"opt"`` (better with Adam),
             ``"mean"`` or ``"rms"``; default: ``HOROVOD_TWOBIT_AUTO_RULE``, else ``"lsq"``.
+        block: with ``threshold="auto"``, one threshold and magnitude per block of this many
+            values (a power of two, at least 16; 512 recommended) instead of per tensor; the
+            magnitudes follow the header (32 / block bits per value more). See
+            :class:`horovod_twobit.torch.TwoBitCompressor`. Tensors must have a static size.
     """
 
-    def __init__(self, threshold=0.5, name=None, *, rule=None):
+    def __init__(self, threshold=0.5, name=None, *, rule=None, block=None):
         tf.Module.__init__(self, name=name or "twobit_compressor")
         threshold = wire.validate_threshold(threshold)
+        self.block = wire.validate_block(block, threshold)
         self._threshold = threshold
         self.auto_rule = wire.auto_rule(rule)
         self.residuals = Residuals()
@@ -235,6 +240,8 @@ class TwoBitCompressor(Compressor, tf.Module):
         extra = ""
         if self._threshold == "auto" and self.auto_rule != wire.DEFAULT_RULE:
             extra = ", rule=%r" % self.auto_rule
+        if self.block:
+            extra += ", block=%d" % self.block
         return "TwoBitCompressor(threshold=%r%s)" % (self._threshold, extra)
 
     def compress(self, tensor):

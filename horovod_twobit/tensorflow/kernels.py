@@ -35,7 +35,8 @@ def _decode_sum_plain(words, ts, n):
     out = None
     for i in range(words.shape[0]):
         c = codec.unpack(words[i], n)
-        out = codec.values(c, ts[i]) if out is None else codec.accumulate(out, c, ts[i])
+        t = ts[i] if ts.shape.rank == 1 else tf.repeat(ts[i], wire.VALUES_PER_WORD)[:n]
+        out = codec.values(c, t) if out is None else codec.accumulate(out, c, t)
     return out
 
 
@@ -44,7 +45,7 @@ def _decode_sum_xla(words, ts, n):
     then the rows added in rank order (XLA does not regroup float additions)."""
     c = tf.bitwise.bitwise_and(
         tf.bitwise.right_shift(words[:, :, None], tf.constant(wire.WORD_SHIFTS, tf.int32)), 3)
-    t = ts[:, None, None]
+    t = ts[:, None, None] if ts.shape.rank == 1 else ts[:, :, None]
     v = tf.where(tf.equal(c, wire.CODE_POS), t, tf.where(tf.equal(c, wire.CODE_NEG), -t, 0.0))
     out = v[0]
     for i in range(1, words.shape[0]):
@@ -55,7 +56,8 @@ def _decode_sum_xla(words, ts, n):
 def _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, average, scale,
                  xla=False):
     """(result, new residual): the rank-order sum of the decoded rows of ``words`` (nranks, W),
-    row i with threshold ``ts[i]``; NaN everywhere and the residual unchanged when ``bad``."""
+    row i with magnitude ``ts[i]`` (with blocks, ``ts`` is (nranks, W): one per word); NaN
+    everywhere and the residual unchanged when ``bad``."""
     out = (_decode_sum_xla if xla else _decode_sum_plain)(words, ts, grad.shape[0])
     out = tf.where(bad, tf.constant(float("nan"), tf.float32), out)
     if average:
@@ -75,15 +77,16 @@ def _compiled(numel):
 
 
 def encode(grad, before, threshold):
-    """``grad``: 1-D float32; ``before``: the residual's value, 1-D; ``threshold``: a number or a
-    0-d float32 tensor. Returns (words, non-finite flag)."""
+    """``grad``: 1-D float32; ``before``: the residual's value, 1-D; ``threshold``: a number, a
+    0-d float32 tensor, or one per value (blocks). Returns (words, non-finite flag)."""
     if _compiled(grad.shape.num_elements()):
         return _encode_xla(grad, before, codec._t(threshold))
     return _encode_body(grad, before, threshold)
 
 
 def finish(words, ts, bad, count, grad, before, threshold, average, scale, magnitude=None):
-    """``words``: (nranks, num_words) int32; ``ts``: (nranks,) float32 magnitudes of the senders;
+    """``words``: (nranks, num_words) int32; ``ts``: (nranks,) float32 magnitudes of the senders
+    (with blocks: (nranks, num_words), each word's block magnitude);
     ``bad``: 0-d bool; ``count``: 0-d float32 divisor (used when ``average``); ``scale``: a
     Python float; ``threshold`` and ``magnitude`` (default: the threshold): this rank's, for its
     residual update. Returns (1-D float32 result, 1-D new residual)."""

@@ -20,6 +20,7 @@ p.add_argument("--mode", required=True, choices=["tape_eager", "tape_function", 
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--threshold", type=lambda v: v if v == "auto" else float(v), default=0.5)
 p.add_argument("--groups", type=int, default=0)
+p.add_argument("--block", type=int, default=None)
 args = p.parse_args()
 
 import horovod.tensorflow as hvd  # noqa: E402
@@ -52,7 +53,7 @@ def key(v):
 
 
 model = build_model()
-compressor = TwoBitCompressor(args.threshold)
+compressor = TwoBitCompressor(args.threshold, block=args.block)
 variables = model.trainable_variables
 names = [key(v) for v in variables]
 rec = {}
