@@ -5,7 +5,8 @@
 Trains, on every rank of one Horovod job, (1) an MLP on scikit-learn's digits and (2) a character-
 level LSTM language model on the text of Python's own help topics (``pydoc_data``; no download),
 each with plain SGD, SGD with momentum 0.9 and Adam, for each method: no compression, Horovod's
-fp16, ``TwoBitCompressor`` with fixed thresholds 0.5, 0.05, 0.005, and ``threshold="auto"``.
+fp16, ``TwoBitCompressor`` with fixed thresholds 0.5, 0.05, 0.005, ``threshold="auto"`` and
+``threshold="auto", block=256`` (``--methods`` takes these names and ``auto[-RULE][/BLOCK][@MIN]``).
 Rank 0 prints a markdown table (final test accuracy or validation loss, payload bytes per step per
 rank) and writes a PNG of the learning curves.
 """
@@ -26,7 +27,7 @@ OPTIMIZERS = {
     "mlp": {"sgd": dict(lr=0.5), "momentum": dict(lr=0.1, momentum=0.9), "adam": dict(lr=1e-3)},
     "lstm": {"sgd": dict(lr=1.0), "momentum": dict(lr=0.1, momentum=0.9), "adam": dict(lr=3e-3)},
 }
-METHODS = ["none", "fp16", "0.5", "0.05", "0.005", "auto"]
+METHODS = ["none", "fp16", "0.5", "0.05", "0.005", "auto", "auto/256"]
 
 
 def parse_method(method):

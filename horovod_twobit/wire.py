@@ -23,8 +23,8 @@ word  meaning
 With :data:`FLAG_BLOCKS` (``TwoBitCompressor("auto", block=B)``) the values are cut into blocks of
 B consecutive values (B a power of two, at least 16, so a word never straddles two blocks; the
 last block may be shorter), each with its own magnitude: ceil(n / B) float32 magnitudes follow the
-header, in block order, before the packed words. That is 32 / B bits per value more (0.0625 for
-B = 512) and a header that grows with n.
+header, in block order, before the packed words. That is 32 / B bits per value more (0.125 for
+B = 256) and a header that grows with n.
 """
 
 import math

@@ -215,7 +215,7 @@ class TwoBitCompressor(Compressor, tf.Module):
         rule: the rule of ``threshold="auto"``: ``"lsq"`` (default), ``"opt"`` (better with Adam),
             ``"mean"`` or ``"rms"``; default: ``HOROVOD_TWOBIT_AUTO_RULE``, else ``"lsq"``.
         block: with ``threshold="auto"``, one threshold and magnitude per block of this many
-            values (a power of two, at least 16; 512 recommended) instead of per tensor; the
+            values (a power of two, at least 16; 256 recommended) instead of per tensor; the
             magnitudes follow the header (32 / block bits per value more). See
             :class:`horovod_twobit.torch.TwoBitCompressor`. Tensors must have a static size.
     """
