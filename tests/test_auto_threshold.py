@@ -99,12 +99,16 @@ def test_rule_argument_environment_and_default(monkeypatch):
 
 
 @pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms"])
-@pytest.mark.parametrize("path", ["eager", "compiled"])
+@pytest.mark.parametrize("path", ["eager", "compiled", "compiled, 48-value chunks", pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("n,block", [(1, 16), (15, 16), (48, 16), (1000, 64), (70001, 512)])
 def test_block_levels_match_reference(monkeypatch, rule, path, n, block):
     """block=B: one (threshold, magnitude) per block of B values (the last one may be shorter),
     the pack and the commit use each value's block, bit for bit as the reference."""
-    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 1 << 62 if path == "eager" else 0)
+    if "chunks" in path:  # the pack's chunks cut blocks: each chunk takes its words' thresholds
+        monkeypatch.setattr(kernels, "PACK_CHUNK", 48)
+    dev = "cuda" if path == "cuda" else "cpu"
     rng = np.random.default_rng(n + block)
     scale = np.repeat(rng.uniform(0.001, 2.0, wire.num_blocks(n, block)), block)[:n]  # per block
     g = (rng.standard_normal(n) * scale).astype(np.float32)
@@ -113,18 +117,18 @@ def test_block_levels_match_reference(monkeypatch, rule, path, n, block):
     assert tb.shape == vb.shape == (wire.num_blocks(n, block),)
     for i, a in enumerate(range(0, n, block)):  # each block is auto_levels of its own values
         assert (tb[i], vb[i]) == ref.auto_levels((r + g)[a:a + block], rule)
-    t, v = kernels.block_levels(torch.from_numpy(r), torch.from_numpy(g), block, rule)
-    np.testing.assert_array_equal(t.numpy().view(np.int32), tb.view(np.int32))
-    np.testing.assert_array_equal(v.numpy().view(np.int32), vb.view(np.int32))
-    rr, R = r.copy(), torch.from_numpy(r.copy())
+    G = torch.from_numpy(g).to(dev)
+    t, v = kernels.block_levels(torch.from_numpy(r).to(dev), G, block, rule)
+    np.testing.assert_array_equal(t.cpu().numpy().view(np.int32), tb.view(np.int32))
+    np.testing.assert_array_equal(v.cpu().numpy().view(np.int32), vb.view(np.int32))
+    rr, R = r.copy(), torch.from_numpy(r.copy()).to(dev)
     want = ref.encode(g, rr, ref.per_value(tb, block, n), ref.per_value(vb, block, n))
     tw, vw = kernels.per_word(t, block, n), kernels.per_word(v, block, n)
-    words, _ = kernels.pack(R, torch.from_numpy(g), tw)
-    np.testing.assert_array_equal(words.numpy(), want)
-    out = kernels.finish([words, words], [vw, vw], R, torch.from_numpy(g.copy()), tw, 2,
-                         magnitude=vw)
-    np.testing.assert_array_equal(R.numpy().view(np.int32), rr.view(np.int32))
-    np.testing.assert_array_equal(out.numpy(), ref.decode(want, n, ref.per_value(vb, block, n)))
+    words, _ = kernels.pack(R, G, tw)
+    np.testing.assert_array_equal(words.cpu().numpy(), want)
+    out = kernels.finish([words, words], [vw, vw], R, G.clone(), tw, 2, magnitude=vw)
+    np.testing.assert_array_equal(R.cpu().numpy().view(np.int32), rr.view(np.int32))
+    np.testing.assert_array_equal(out.cpu().numpy(), ref.decode(want, n, ref.per_value(vb, block, n)))
 
 
 def test_block_header_and_body():
