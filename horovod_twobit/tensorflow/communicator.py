@@ -77,12 +77,14 @@ class Exchange:
         raw = gathered
         gathered, checked = validated(raw, n, self.mode, self.nranks, self.key, self.block)
         rows = tf.reshape(gathered, [self.nranks, wire.HEADER_WORDS + wire.body_words(n, self.block)])
-        # "auto": each sender's payload is decoded with that sender's threshold, from its header
-        ts = tf.bitcast(rows[:, 4], tf.float32) if self.auto else None
         nb = wire.num_blocks(n, self.block)
         if self.block:  # each sender's block magnitudes, one per word of its block
             ts = tf.repeat(tf.bitcast(rows[:, wire.HEADER_WORDS:wire.HEADER_WORDS + nb], tf.float32),
                            self.block // wire.VALUES_PER_WORD, axis=1)[:, :wire.num_words(n)]
+        elif self.auto:  # each sender's payload is decoded with that sender's magnitude (word 4)
+            ts = tf.bitcast(rows[:, 4], tf.float32)
+        else:
+            ts = None
         # ``checked`` is True once the header check passed (it raises otherwise). Using it as data
         # makes the result and the residual update wait for the check in a graph.
         bad = tf.logical_or(tf.logical_not(checked), tf.reduce_any(tf.not_equal(

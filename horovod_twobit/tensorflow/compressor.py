@@ -207,8 +207,9 @@ class TwoBitCompressor(Compressor, tf.Module):
     (``lsq``, the default, ``opt``, ``mean``, ``rms``, optionally ``*K``), selects the rule
     (:attr:`auto_rule`): ``opt`` for Adam, the others for studies. The pair is
     :func:`horovod_twobit.tensorflow.auto_levels`, bit for bit the NumPy reference's and the
-    PyTorch binding's, so both frameworks interoperate in "auto" mode too. It costs two extra read passes over r and g per step (float64
-    reductions; on a CPU about ten fixed-threshold encodes).
+    PyTorch binding's, so both frameworks interoperate in "auto" mode too. It costs two extra
+    read passes over r and g per step (float64 reductions; on a CPU about ten fixed-threshold
+    encodes).
 
     Args:
         threshold: a positive number (MXNet's default 0.5), or ``"auto"``.
