@@ -71,9 +71,10 @@ class TwoBitCompressor(Compressor):
     Adam remains the hard case: its per-coordinate normalisation turns a sparse code's bursts into
     smaller steps, and ``opt`` (smaller bursts) did better with it (see README). Cost: two extra
     read passes over r and g per step, one of them keeping 18 float64 sums per value: on a CPU
-    about ten fixed-threshold encodes (README's "Per-block magnitudes" has figures). ``HOROVOD_TWOBIT_AUTO_RULE`` (``lsq``,
-    ``opt``, ``mean``, ``rms``, optionally ``*K``), read when the compressor is built, or the
-    ``rule`` argument, selects another rule: ``opt`` for Adam, the others for studies.
+    about ten fixed-threshold encodes (README's "Per-block magnitudes" has figures).
+    ``HOROVOD_TWOBIT_AUTO_RULE`` (``lsq``, ``opt``, ``mean``, ``rms``, optionally ``*K``), read
+    when the compressor is built, or the ``rule`` argument, selects another rule: ``opt`` for
+    Adam, the others for studies.
 
     Args:
         threshold: a positive number (MXNet's default 0.5), or ``"auto"``.
