@@ -12,7 +12,7 @@ _SHIFTS = np.array([6, 4, 2, 0], dtype=np.uint8)
 
 
 FLT_MIN = np.float32(np.finfo(np.float32).tiny)
-OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+OPT_MULTIPLES = wire.OPT_MULTIPLES
 AUTO_RULES, DEFAULT_RULE = wire.AUTO_RULES, wire.DEFAULT_RULE
 
 
@@ -45,7 +45,7 @@ def auto_levels(x, rule=DEFAULT_RULE):
     if x.size == 0:
         return np.float32(1.0), np.float32(1.0)
     a = np.abs(x).astype(np.float64)
-    rule, _, k = rule.partition("*")
+    rule, k = wire.parse_rule(rule)
     if rule == "mean":
         t = v = a.sum() / x.size
     elif rule in ("opt", "lsq"):
@@ -59,10 +59,8 @@ def auto_levels(x, rule=DEFAULT_RULE):
             c, s = scores[best]
             t = ts[best]
             v = s / c if c else t
-    elif rule == "rms":
+    else:  # "rms"
         t = v = np.sqrt((a * a).sum() / x.size)
-    else:
-        raise ValueError("unknown rule %r" % (rule,))
     levels = []
     for y in (t, v):
         y = np.float32(y * float(k)) if k else np.float32(y)

@@ -46,6 +46,8 @@ WORD_SHIFTS = tuple(8 * (k // 4) + 6 - 2 * (k % 4) for k in range(VALUES_PER_WOR
 
 AUTO_RULES = ("lsq", "opt", "mean", "rms")  # see horovod_twobit.reference.auto_levels
 DEFAULT_RULE = "lsq"
+# the candidate thresholds of the "opt" and "lsq" rules, as multiples of mean |r + g|
+OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 
 CODE_ZERO = 0b00
 CODE_NEG = 0b10
@@ -221,6 +223,15 @@ def encode_levels(threshold, magnitude=None):
     if v == "auto":
         raise ValueError("encode() takes a numeric magnitude")
     return t, v
+
+
+def parse_rule(rule):
+    """``(name, factor)`` of an automatic threshold rule ``NAME`` or ``NAME*K`` (factor: the string
+    K, empty without one), or ValueError for an unknown name."""
+    name, _, k = rule.partition("*")
+    if name not in AUTO_RULES:
+        raise ValueError("unknown automatic threshold rule %r (known: %s)" % (name, AUTO_RULES))
+    return name, k
 
 
 def auto_rule(rule=None):

@@ -16,7 +16,7 @@ from .. import wire
 _SHIFTS = (6, 4, 2, 0)
 
 AUTO_RULES, DEFAULT_RULE = wire.AUTO_RULES, wire.DEFAULT_RULE
-OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+OPT_MULTIPLES = wire.OPT_MULTIPLES
 FLT_MIN = 2.0 ** -126  # the smallest normal float32
 
 
@@ -52,7 +52,7 @@ def auto_levels(residual, grad, rule=DEFAULT_RULE):
 
     ``residual`` is a tensor or a variable (its current value is read) with as many values as
     ``grad``; gradients of other float dtypes are converted to float32 before the add."""
-    rule, k = _parse_rule(rule)
+    rule, k = wire.parse_rule(rule)
     x = _compensated(residual, grad)
     n = x.shape.num_elements()
     if n == 0:
@@ -71,7 +71,7 @@ def block_levels(residual, grad, block, rule=DEFAULT_RULE):
     magnitudes)``, two 1-D float32 tensors of ceil(n / block) values, block b covering values
     b * block up to (b + 1) * block (the last block may be shorter); bit for bit
     :func:`horovod_twobit.reference.block_levels`. The tensor's size must be static."""
-    rule, k = _parse_rule(rule)
+    rule, k = wire.parse_rule(rule)
     x = _compensated(residual, grad)
     n = x.shape.num_elements()
     if n is None:
@@ -91,14 +91,6 @@ def per_value(levels, block, numel):
     """Per-block values repeated over each block's values: 1-D float32, ``numel`` long (what the
     codec's ops take wherever they take a threshold or magnitude)."""
     return tf.repeat(levels, block)[:numel]
-
-
-def _parse_rule(rule):
-    """(rule name, factor string) of ``rule`` (``NAME`` or ``NAME*K``), or a clear error."""
-    name, _, k = rule.partition("*")
-    if name not in AUTO_RULES:
-        raise ValueError("unknown automatic threshold rule %r (known: %s)" % (name, AUTO_RULES))
-    return name, k
 
 
 def _compensated(residual, grad):

@@ -76,7 +76,7 @@ def _sq_sum_body(r, g):
     return (x * x).sum(-1)
 
 
-OPT_MULTIPLES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+OPT_MULTIPLES = wire.OPT_MULTIPLES
 
 
 def _ternary_errors_body(r, g, ts):
@@ -166,7 +166,7 @@ def auto_levels(r, g, rule=DEFAULT_RULE):
     if g.numel() == 0:
         one = torch.ones(g.shape[:-1], dtype=torch.float32, device=g.device)
         return one, one
-    rule, _, k = rule.partition("*")
+    rule, k = wire.parse_rule(rule)
     if rule == "mean":
         t = v = _call("abs_sum", g.numel(), r, g) / n
     elif rule in ("opt", "lsq"):
@@ -184,10 +184,8 @@ def auto_levels(r, g, rule=DEFAULT_RULE):
             t = ts.gather(-1, best).squeeze(-1)
             count, total = count.gather(-1, best).squeeze(-1), total.gather(-1, best).squeeze(-1)
             v = torch.where(count > 0, total / torch.where(count > 0, count, 1.0), t)
-    elif rule == "rms":
+    else:  # "rms"
         t = v = (_call("sq_sum", g.numel(), r, g) / n).sqrt()
-    else:
-        raise ValueError("unknown automatic threshold rule %r (known: %s)" % (rule, AUTO_RULES))
     out = []
     for y in (t, v):
         y = (y * float(k) if k else y).to(torch.float32)
