@@ -6,7 +6,8 @@ Trains, on every rank of one Horovod job, (1) an MLP on scikit-learn's digits an
 level LSTM language model on the text of Python's own help topics (``pydoc_data``; no download),
 each with plain SGD, SGD with momentum 0.9 and Adam, for each method: no compression, Horovod's
 fp16, ``TwoBitCompressor`` with fixed thresholds 0.5, 0.05, 0.005, ``threshold="auto"`` and
-``threshold="auto", block=256`` (``--methods`` takes these names and ``auto[-RULE][/BLOCK][@MIN]``).
+``threshold="auto", blocks=1`` (one magnitude per tensor; ``--methods`` takes these names and
+``auto[-RULE][/BLOCK][:BLOCKS][@MIN]``).
 Rank 0 prints a markdown table (final test accuracy or validation loss, payload bytes per step per
 rank) and writes a PNG of the learning curves.
 """
@@ -27,16 +28,19 @@ OPTIMIZERS = {
     "mlp": {"sgd": dict(lr=0.5), "momentum": dict(lr=0.1, momentum=0.9), "adam": dict(lr=1e-3)},
     "lstm": {"sgd": dict(lr=1.0), "momentum": dict(lr=0.1, momentum=0.9), "adam": dict(lr=3e-3)},
 }
-METHODS = ["none", "fp16", "0.5", "0.05", "0.005", "auto", "auto/256"]
+METHODS = ["none", "fp16", "0.5", "0.05", "0.005", "auto", "auto:1"]
 
 
 def parse_method(method):
-    """none, fp16, a number (fixed threshold), or auto[-RULE][/BLOCK][@MIN]: threshold="auto" with
-    that rule and block size, leaving tensors of fewer than MIN values uncompressed (min_numel).
+    """none, fp16, a number (fixed threshold), or auto[-RULE][/BLOCK][:BLOCKS][@MIN]:
+    threshold="auto" with that rule, smallest block and most blocks per tensor, leaving tensors of
+    fewer than MIN values uncompressed (min_numel).
     Returns (threshold or method, keyword arguments of TwoBitCompressor)."""
     method, _, min_numel = method.partition("@")
+    method, _, blocks = method.partition(":")
     method, _, block = method.partition("/")
-    kw = dict(min_numel=int(min_numel or 0), block=int(block) if block else None)
+    kw = dict(min_numel=int(min_numel or 0), block=int(block) if block else None,
+              blocks=int(blocks) if blocks else None)
     if method.startswith("auto"):
         return "auto", dict(kw, rule=method.partition("-")[2] or None)
     return (method if method in ("none", "fp16") else float(method)), kw
@@ -58,7 +62,9 @@ def payload_bytes(model, method):
         return 4 * sum(sizes)
     if threshold == "fp16":
         return 2 * sum(sizes)
-    return sum(wire.payload_bytes(n, kw["block"]) if n >= kw["min_numel"] else 4 * n for n in sizes)
+    blocks = wire.validate_blocks(threshold, kw["block"], kw["blocks"])
+    return sum(wire.payload_bytes(n, wire.block_of(n, *blocks)) if n >= kw["min_numel"] else 4 * n
+               for n in sizes)
 
 
 def make_optimizer(model, kind, params, method):
@@ -198,9 +204,10 @@ def main():
                     cells.append("%.4f" % r["final"])
             table.append("| %s (%s) | %s | %s |" % (
                 model, "test acc" if model == "mlp" else "val loss", kind, " | ".join(cells)))
-    byte_row = {r["method"]: r["bytes"] for r in results if r["model"] == args.models.split(",")[0]}
-    table.append("| %s bytes/step/rank | | %s |" % (args.models.split(",")[0], " | ".join(
-        str(byte_row[m]) for m in args.methods.split(","))))
+    for model in args.models.split(","):
+        byte_row = {r["method"]: r["bytes"] for r in results if r["model"] == model}
+        table.append("| bytes/step/rank (%s) | | %s |" % (model, " | ".join(
+            str(byte_row[m]) for m in args.methods.split(","))))
     text = "\n".join(table)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text + "\n")

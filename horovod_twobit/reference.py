@@ -164,16 +164,16 @@ def aggregate(decoded, op="average", prescale=1.0, postscale=1.0):
 class Workers:
     """N simulated workers with one residual per tensor name each: what N ranks of the real
     communicator compute, step by step. ``threshold`` may be ``"auto"`` (each rank picks its own
-    with :func:`auto_levels` every step; ``rule`` names the rule; with ``block``, per block with
-    :func:`block_levels`). ``last_thresholds[name]``: the value each rank put in its header at the
+    with :func:`auto_levels` every step; ``rule`` names the rule; with ``block`` or ``blocks``, per
+    block of :func:`horovod_twobit.wire.block_of` values, with :func:`block_levels`). ``last_thresholds[name]``: the value each rank put in its header at the
     last step (the magnitude it sent; with blocks, the array of block magnitudes);
     ``last_levels[name]``: each rank's (threshold, magnitude)."""
 
-    def __init__(self, nranks, threshold, rule=DEFAULT_RULE, block=None):
+    def __init__(self, nranks, threshold, rule=DEFAULT_RULE, block=None, blocks=None):
         self.nranks = nranks
         self.threshold = threshold
         self.rule = rule
-        self.block = block
+        self.block, self.blocks = wire.validate_blocks(threshold, block, blocks)
         self.residuals = [dict() for _ in range(nranks)]
         self.last_thresholds = {}
         self.last_levels = {}
@@ -188,16 +188,17 @@ class Workers:
                 self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
             return np.full(shape, np.nan, dtype=np.float32)
         decoded, levels = [], []
+        block = wire.block_of(flat[0].size, self.block, self.blocks) if self.threshold == "auto" else None
         for rank, g in enumerate(flat):
             r = self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
             t = v = self.threshold
-            if t == "auto" and self.block:
-                t, v = block_levels(r + g, self.block, self.rule)
+            if t == "auto" and block:
+                t, v = block_levels(r + g, block, self.rule)
             elif t == "auto":
                 t, v = auto_levels(r + g, self.rule)
             levels.append((t, v))
-            if self.block:
-                t, v = per_value(t, self.block, g.size), per_value(v, self.block, g.size)
+            if block:
+                t, v = per_value(t, block, g.size), per_value(v, block, g.size)
             words = encode(g, r, t, v)
             decoded.append(decode(words, g.size, v))
         self.last_thresholds[name] = [v for _, v in levels]

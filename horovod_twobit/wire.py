@@ -20,11 +20,12 @@ word  meaning
       magnitude), as float32 bits; with :data:`FLAG_BLOCKS`, the block size B instead
 ====  ==========================================================================
 
-With :data:`FLAG_BLOCKS` (``TwoBitCompressor("auto", block=B)``) the values are cut into blocks of
-B consecutive values (B a power of two, at least 16, so a word never straddles two blocks; the
-last block may be shorter), each with its own magnitude: ceil(n / B) float32 magnitudes follow the
-header, in block order, before the packed words. That is 32 / B bits per value more (0.125 for
-B = 256) and a header that grows with n.
+With :data:`FLAG_BLOCKS` (``TwoBitCompressor("auto")``, see :func:`block_of`) the values are cut
+into blocks of B consecutive values (B a power of two, at least 16, so a word never straddles two
+blocks; the last block may be shorter), each with its own magnitude: ceil(n / B) float32
+magnitudes follow the header, in block order, before the packed words. That is 32 / B bits per
+value more; with the default limit of 64 blocks, at most 256 bytes per tensor. A tensor that
+is a single block sends its one magnitude in word 4, without FLAG_BLOCKS.
 """
 
 import math
@@ -74,17 +75,47 @@ def payload_bytes(numel, block=None):
     return 4 * (HEADER_WORDS + body_words(numel, block))
 
 
-def validate_block(block, threshold):
-    """``block`` (None, or a power of two >= 16, with ``threshold="auto"`` only), or a clear error."""
-    if block is None:
-        return None
-    if isinstance(block, bool) or not isinstance(block, int) or block < VALUES_PER_WORD or block & (block - 1):
-        raise ValueError("block must be None or a power of two of at least %d values (e.g. 512), got %r"
-                         % (VALUES_PER_WORD, block))
+# threshold="auto" cuts a tensor into blocks of at least DEFAULT_BLOCK values, at most DEFAULT_BLOCKS
+# of them (README's "Automatic threshold" has the measurements behind these two numbers)
+DEFAULT_BLOCK = 64
+DEFAULT_BLOCKS = 64
+
+
+def validate_blocks(threshold, block=None, blocks=None):
+    """``(block, blocks)`` for a compressor built with these arguments, or a clear error.
+
+    With ``threshold="auto"``: ``block`` (default :data:`DEFAULT_BLOCK`) is the smallest block, a
+    power of two of at least 16; ``blocks`` (default :data:`DEFAULT_BLOCKS`) the most blocks per
+    tensor, 0 for no limit (returned as None), 1 for one magnitude per tensor. A numeric threshold
+    takes neither: (None, None)."""
     if threshold != "auto":
-        raise ValueError("block=%d gives each block its own automatic magnitude: use it with "
-                         "threshold='auto' (a numeric threshold is one value for the whole tensor)" % block)
-    return block
+        for arg, value in (("block", block), ("blocks", blocks)):
+            if value is not None:
+                raise ValueError("%s=%r gives blocks of values their own automatic magnitude: use it "
+                                 "with threshold='auto' (a numeric threshold is one value for the "
+                                 "whole tensor)" % (arg, value))
+        return None, None
+    block = DEFAULT_BLOCK if block is None else block
+    blocks = DEFAULT_BLOCKS if blocks is None else blocks
+    if isinstance(block, bool) or not isinstance(block, int) or block < VALUES_PER_WORD or block & (block - 1):
+        raise ValueError("block must be a power of two of at least %d values (e.g. %d), got %r"
+                         % (VALUES_PER_WORD, DEFAULT_BLOCK, block))
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+        raise ValueError("blocks must be a positive integer (e.g. %d), 1 for one magnitude per "
+                         "tensor, or 0 for no limit; got %r" % (DEFAULT_BLOCKS, blocks))
+    return block, blocks or None
+
+
+def block_of(numel, block=None, blocks=None):
+    """The block size a tensor of ``numel`` values is cut into: ``block`` (16 when not given),
+    doubled until there are at most ``blocks`` blocks (when given). None (one magnitude per tensor,
+    in the header) when that is a single block, or with neither."""
+    if not block and not blocks:
+        return None
+    size = block or VALUES_PER_WORD
+    while blocks and size * blocks < numel:
+        size *= 2
+    return size if size < numel else None
 
 
 def float_bits(x):

@@ -14,10 +14,10 @@ def load_ranks(out_dir, nranks):
     return [dict(np.load(os.path.join(out_dir, "rank%d.npz" % r))) for r in range(nranks)]
 
 
-def check_training(ranks, threshold, steps, op="average", dtype=np.float32, block=None):
+def check_training(ranks, threshold, steps, op="average", dtype=np.float32, block=None, blocks=None):
     """Every rank's aggregated gradients equal the simulation's, bit for bit (after the cast to
     the gradients' dtype), and final weights are identical on all ranks."""
-    sim = ref.Workers(len(ranks), threshold, block=block)
+    sim = ref.Workers(len(ranks), threshold, block=block, blocks=blocks)
     names = sorted({k.split("/", 2)[2] for k in ranks[0] if k.startswith("agg/0/")})
     assert names
     nonzero = 0

@@ -166,10 +166,60 @@ def test_block_sizes_must_agree():
 
 
 def test_bad_block_values():
-    assert TwoBitCompressor("auto", block=512).block == 512
-    assert repr(TwoBitCompressor("auto", block=64)) == "TwoBitCompressor(threshold='auto', block=64)"
+    c = TwoBitCompressor("auto")
+    assert (c.block, c.blocks) == (64, 64) and repr(c) == "TwoBitCompressor(threshold='auto')"
+    c = TwoBitCompressor("auto", block=256, blocks=0)
+    assert (c.block, c.blocks) == (256, None)
+    assert repr(c) == "TwoBitCompressor(threshold='auto', block=256, blocks=0)"
+    assert (TwoBitCompressor(0.5).block, TwoBitCompressor(0.5).blocks) == (None, None)
     for bad in [0, 8, 100, 513, True, 512.0, "512", -16]:
-        with pytest.raises(ValueError, match="block must be None or a power of two of at least 16"):
+        with pytest.raises(ValueError, match="block must be a power of two of at least 16"):
             TwoBitCompressor("auto", block=bad)
-    with pytest.raises(ValueError, match="use it with threshold='auto'"):
-        TwoBitCompressor(0.5, block=512)
+    for bad in [-1, True, 64.0, "64"]:
+        with pytest.raises(ValueError, match="blocks must be a positive integer .* or 0 for no limit"):
+            TwoBitCompressor("auto", blocks=bad)
+    for kw in (dict(block=512), dict(blocks=1)):
+        with pytest.raises(ValueError, match="use it with threshold='auto'"):
+            TwoBitCompressor(0.5, **kw)
+
+
+@pytest.mark.parametrize("numel,block,blocks,want", [
+    (100, None, None, None),
+    (100, 64, 64, 64),             # the defaults of "auto"
+    (64, 64, 64, None),
+    (65536, 64, 64, 1024),
+    (10 ** 6, 64, 64, 16384),
+    (10 ** 6, 64, 1, None),        # blocks=1: one magnitude per tensor
+    (10 ** 6, 64, None, 64),       # blocks=0 (None here): no limit
+    (6, 32, None, None),           # one block: one magnitude, in the header
+    (40, 32, None, 32),
+    (50, None, 4, 16),             # 16 * 4 >= 50
+    (480, None, 4, 128),
+    (65, None, 4, 32),
+    (64, None, 4, 16),
+    (16, None, 4, None),
+    (65536, None, 64, 1024),
+    (16384, 256, 64, 256),         # block is the smallest size, blocks the most blocks
+    (65536, 256, 64, 1024),
+    (1000, 256, 64, 256),
+    (200, 256, 64, None),
+])
+def test_block_of(numel, block, blocks, want):
+    assert wire.block_of(numel, block, blocks) == want
+    if want:
+        assert wire.num_blocks(numel, want) <= (blocks or numel) and wire.num_blocks(numel, want) > 1
+
+
+
+def test_blocks_simulation_uses_each_tensors_block_size():
+    """Workers(blocks=K): a tensor's block magnitudes are those of block_of(n); a small tensor
+    sends one magnitude, as per-tensor "auto" does."""
+    rng = np.random.default_rng(3)
+    big = [rng.standard_normal(1000).astype(np.float32) * np.repeat([0.01, 1.0], 500) for _ in range(2)]
+    small = [rng.standard_normal(12).astype(np.float32) for _ in range(2)]
+    w, per_block = ref.Workers(2, "auto", blocks=4), ref.Workers(2, "auto", block=256, blocks=0)
+    per_tensor = ref.Workers(2, "auto", blocks=1)
+    np.testing.assert_array_equal(w.allreduce("big", big), per_block.allreduce("big", big))
+    assert [np.shape(v) for v in w.last_thresholds["big"]] == [(4,), (4,)]
+    np.testing.assert_array_equal(w.allreduce("small", small), per_tensor.allreduce("small", small))
+    assert w.last_thresholds["small"] == per_tensor.last_thresholds["small"]

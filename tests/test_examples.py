@@ -17,21 +17,24 @@ def test_keras_demo_runs_and_plots(tmp_path):
 
 def test_convergence_study_smoke(tmp_path):
     res = jobs.run(2, os.path.join(EXAMPLES, "convergence.py"), "--quick", "--models", "mlp,lstm",
-                   "--optimizers", "momentum", "--methods", "none,fp16,auto,auto-opt/64@300",
+                   "--optimizers", "momentum", "--methods", "none,fp16,auto,auto-opt/32:8@300",
                    "--lstm-steps", 4, "--eval-every", 2, "--out", tmp_path, timeout=300)
     results = json.loads((tmp_path / "results.json").read_text())
-    methods = ("none", "fp16", "auto", "auto-opt/64@300")
+    methods = ("none", "fp16", "auto", "auto-opt/32:8@300")
     assert {(r["model"], r["method"]) for r in results} == {
         (m, k) for m in ("mlp", "lstm") for k in methods}
     mlp = {r["method"]: r for r in results if r["model"] == "mlp"}
     assert mlp["none"]["bytes"] == 2 * mlp["fp16"]["bytes"] > 15 * mlp["auto"]["bytes"]
     # the two bias vectors (256 and 10 values) of the MLP travel uncompressed; the two weight
-    # matrices carry one magnitude per block of 64 values
+    # matrices are cut into at most 8 blocks of at least 32 values: 2048 and 512 values
     from horovod_twobit import wire
-    assert mlp["auto-opt/64@300"]["bytes"] == 4 * (256 + 10) + sum(
-        wire.payload_bytes(n, 64) for n in (64 * 256, 256 * 10))
-    assert mlp["auto"]["bytes"] == sum(wire.payload_bytes(n) for n in (64 * 256, 256, 256 * 10, 10))
-    assert "| mlp (test acc) | momentum |" in (tmp_path / "table.md").read_text()
+    assert mlp["auto-opt/32:8@300"]["bytes"] == 4 * (256 + 10) + \
+        wire.payload_bytes(64 * 256, 2048) + wire.payload_bytes(256 * 10, 512)
+    # the defaults: blocks of at least 64 values, at most 64 blocks; 10 values are one block
+    assert mlp["auto"]["bytes"] == wire.payload_bytes(64 * 256, 256) + wire.payload_bytes(256, 64) \
+        + wire.payload_bytes(256 * 10, 64) + wire.payload_bytes(10)
+    table = (tmp_path / "table.md").read_text()
+    assert "| mlp (test acc) | momentum |" in table and "| bytes/step/rank (lstm) |" in table
     assert (tmp_path / "curves.png").stat().st_size > 1000, res
 
 

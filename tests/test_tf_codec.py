@@ -296,12 +296,17 @@ def test_block_exchange_matches_simulation(graph, rule, path):
 
 def test_block_arguments():
     from horovod_twobit.tensorflow import PayloadMismatchError, TwoBitCompressor
-    assert repr(TwoBitCompressor("auto", block=64)) == "TwoBitCompressor(threshold='auto', block=64)"
-    with pytest.raises(ValueError, match="block must be None or a power of two of at least 16"):
+    assert repr(TwoBitCompressor("auto", block=128)) == \
+        "TwoBitCompressor(threshold='auto', block=128, blocks=64)"
+    c = TwoBitCompressor("auto")
+    assert (c.block, c.blocks) == (64, 64) and repr(c) == "TwoBitCompressor(threshold='auto')"
+    with pytest.raises(ValueError, match="block must be a power of two of at least 16"):
         TwoBitCompressor("auto", block=100)
+    with pytest.raises(ValueError, match="blocks must be a positive integer"):
+        TwoBitCompressor("auto", blocks=-1)
     with pytest.raises(ValueError, match="use it with threshold='auto'"):
         TwoBitCompressor(0.1, block=64)
-    cs = [TwoBitCompressor("auto", block=16), TwoBitCompressor("auto")]
+    cs = [TwoBitCompressor("auto", block=16), TwoBitCompressor("auto", blocks=1)]
     with pytest.raises(PayloadMismatchError, match="different block sizes"):
         _exchanger(cs, "m", graph=False)([np.ones(40, np.float32)] * 2)
 

@@ -14,34 +14,37 @@ from horovod_twobit import reference as ref
 VARS = ["hidden/bias", "hidden/kernel", "out/bias", "out/kernel"]
 
 
-@pytest.mark.parametrize("mode,np_,groups,threshold,block", [
-    ("tape_eager", 2, 0, 0.5, None),
-    ("tape_eager", 3, 2, 0.1, None),
-    ("tape_function", 2, 0, 0.1, None),
-    ("tape_function", 3, 0, 0.5, None),
-    ("keras", 2, 0, 0.5, None),
-    ("keras", 3, 2, 0.1, None),
-    # threshold="auto": each rank's own t per tensor and step, carried in the header
-    ("tape_function", 2, 0, "auto", None),
-    ("keras", 3, 2, "auto", None),
+@pytest.mark.parametrize("mode,np_,groups,threshold,block,blocks", [
+    ("tape_eager", 2, 0, 0.5, None, None),
+    ("tape_eager", 3, 2, 0.1, None, None),
+    ("tape_function", 2, 0, 0.1, None, None),
+    ("tape_function", 3, 0, 0.5, None, None),
+    ("keras", 2, 0, 0.5, None, None),
+    ("keras", 3, 2, 0.1, None, None),
+    # threshold="auto": each rank's own t per tensor (blocks=1) or per block and step, carried in
+    # the header and after it
+    ("tape_function", 2, 0, "auto", None, 1),
+    ("keras", 3, 2, "auto", None, None),
     # block=32: one magnitude per block of 32 values (whole and partial blocks), after the header
-    ("tape_function", 3, 2, "auto", 32),
+    ("tape_function", 3, 2, "auto", 32, None),
+    # block=16, blocks=4: at most four blocks per tensor, their size from the tensor's
+    ("keras", 2, 0, "auto", 16, 4),
 ])
-def test_training_matches_simulation(tmp_path, mode, np_, groups, threshold, block):
+def test_training_matches_simulation(tmp_path, mode, np_, groups, threshold, block, blocks):
     jobs.run(np_, "tf_train.py", "--out", tmp_path, "--mode", mode, "--steps", 20,
              "--threshold", threshold, "--groups", groups, *(("--block", block) if block else ()),
-             timeout=240)
+             *(("--blocks", blocks) if blocks else ()), timeout=240)
     ranks = sim.load_ranks(str(tmp_path), np_)
     # every rank's averaged gradients equal the N-worker simulation's, bit for bit, for 20 steps,
     # and the weights end identical on every rank
-    sim.check_training(ranks, threshold, 20, block=block)
+    sim.check_training(ranks, threshold, 20, block=block, blocks=blocks)
     # an ordinary allreduce in the same job is exact and uncompressed
     want = sum(np.arange(10, dtype=np.float32) * (r + 1) + np.float32(0.001) for r in range(np_))
     for r in ranks:
         np.testing.assert_array_equal(r["plain"], want.astype(np.float32))
     # hvd.allreduce(t, name="direct", compression=...) inside a tf.function traced for two input
     # signatures: one residual under its name, carried from one call to the next
-    w = ref.Workers(np_, threshold, block=block)
+    w = ref.Workers(np_, threshold, block=block, blocks=blocks)
     for i in range(2):
         expect = w.allreduce("direct", [r["direct_in/%d" % i] for r in ranks])
         if threshold == "auto":  # one t per sender, each decoded with its own

@@ -30,13 +30,17 @@ def test_optimizer_matches_simulation(tmp_path, np_):
     assert "direct" in list(ranks[0]["residual_names"])
 
 
-@pytest.mark.parametrize("np_,block", [(2, None), (3, None), (3, 32)])
-def test_auto_threshold_matches_simulation(tmp_path, np_, block):
-    """With block=32 the tensors (480, 240, 50, 40 and 6 values) have whole and partial blocks."""
-    args = ("--block", block) if block else ()
+@pytest.mark.parametrize("np_,block,blocks", [(2, None, 1), (3, None, None), (3, 32, None),
+                                              (2, 16, 4)])
+def test_auto_threshold_matches_simulation(tmp_path, np_, block, blocks):
+    """The tensors have 480, 240, 50, 40 and 6 values. blocks=1: one magnitude per tensor, in the
+    header. The defaults (blocks of at least 64 values, at most 64 blocks): blocks of 64 for the
+    first two, one magnitude for the others. block=32: whole and partial blocks (and 6 values
+    are one block). block=16, blocks=4: blocks of 128, 64, 16 and 16 values, and none."""
+    args = (("--block", block) if block else ()) + (("--blocks", blocks) if blocks else ())
     ranks = _train(tmp_path, np_, "--steps", 12, "--threshold", "auto", "--groups", 2, *args)
-    sim.check_training(ranks, "auto", 12, block=block)
-    w = ref.Workers(np_, "auto", block=block)
+    sim.check_training(ranks, "auto", 12, block=block, blocks=blocks)
+    w = ref.Workers(np_, "auto", block=block, blocks=blocks)
     for i in range(2):
         expect = w.allreduce("direct", [r["direct_in/%d" % i] for r in ranks])
         last = [np.atleast_1d(t)[-1] for t in w.last_thresholds["direct"]]

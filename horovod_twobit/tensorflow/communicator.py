@@ -45,8 +45,8 @@ class Exchange:
         self.grad = codec._flat32(tensor)
         self.before = self.residual.read_value()
         self.auto = self.mode == "auto"
-        self.block = compressor.block
         n = self.numel
+        self.block = wire.block_of(n, compressor.block, compressor.blocks)  # residuals need static sizes
         if self.block:
             # one (threshold, magnitude) per block of values; the magnitudes follow the header
             tb, vb = codec.block_levels(self.before, self.grad, self.block, compressor.auto_rule)

@@ -197,35 +197,37 @@ class TwoBitCompressor(Compressor, tf.Module):
     twobit=compressor)`` saves and restores them (one checkpoint per rank: residuals are per rank);
     :meth:`state_dict` / :meth:`load_state_dict` do the same with NumPy arrays.
 
-    Automatic threshold: with ``threshold="auto"`` each rank chooses, for every tensor and step,
-    from x = r + g: a support threshold t among c * mean|x| (c in 0.5 ... 8) and the magnitude v
-    sent for it (the mean of |x| over the support), the pair with the smallest squared error. v
-    travels in the payload header (float32), with no extra communication round; receivers decode
-    each sender's payload with that sender's v. The rule and the evidence for it are the PyTorch
-    binding's (:class:`horovod_twobit.torch.TwoBitCompressor`; README's "Automatic threshold").
-    The ``rule`` argument, else ``HOROVOD_TWOBIT_AUTO_RULE`` read when the compressor is built
-    (``lsq``, the default, ``opt``, ``mean``, ``rms``, optionally ``*K``), selects the rule
-    (:attr:`auto_rule`): ``opt`` for Adam, the others for studies. The pair is
-    :func:`horovod_twobit.tensorflow.auto_levels`, bit for bit the NumPy reference's and the
-    PyTorch binding's, so both frameworks interoperate in "auto" mode too. It costs two extra
-    read passes over r and g per step (float64 reductions; on a CPU about ten fixed-threshold
-    encodes).
+    Automatic threshold: with ``threshold="auto"`` each rank chooses, per block of a tensor and
+    per step, from x = r + g: a support threshold t among c * mean|x| (c in 0.5 ... 8) and the
+    magnitude v sent for it (the mean of |x| over the support), the pair with the smallest squared
+    error. Blocks are at least ``block`` (64) values, doubled until a tensor has at most ``blocks``
+    (64) of them. The magnitudes travel with the payload (float32), with no extra communication
+    round; receivers decode each sender's blocks with that sender's magnitudes. The rule, the
+    block sizes and the evidence for them are the PyTorch binding's
+    (:class:`horovod_twobit.torch.TwoBitCompressor`; README's "Automatic threshold"). The ``rule``
+    argument, else ``HOROVOD_TWOBIT_AUTO_RULE`` read when the compressor is built (``lsq``, the
+    default, ``opt``, ``mean``, ``rms``, optionally ``*K``), selects another rule
+    (:attr:`auto_rule`), for studies. The levels are
+    :func:`horovod_twobit.tensorflow.auto_levels` and :func:`horovod_twobit.tensorflow.codec.block_levels`,
+    bit for bit the NumPy reference's and the PyTorch binding's, so both frameworks interoperate
+    in "auto" mode too. They cost two extra read passes over r and g per step (float64
+    reductions; on a CPU about ten fixed-threshold encodes).
 
     Args:
         threshold: a positive number (MXNet's default 0.5), or ``"auto"``.
         name: the module's name.
-        rule: the rule of ``threshold="auto"``: ``"lsq"`` (default), ``"opt"`` (better with Adam),
-            ``"mean"`` or ``"rms"``; default: ``HOROVOD_TWOBIT_AUTO_RULE``, else ``"lsq"``.
-        block: with ``threshold="auto"``, one threshold and magnitude per block of this many
-            values (a power of two, at least 16; 256 recommended) instead of per tensor; the
-            magnitudes follow the header (32 / block bits per value more). See
-            :class:`horovod_twobit.torch.TwoBitCompressor`. Tensors must have a static size.
+        rule: the rule of ``threshold="auto"``: ``"lsq"`` (default), ``"opt"``, ``"mean"`` or
+            ``"rms"``; default: ``HOROVOD_TWOBIT_AUTO_RULE``, else ``"lsq"``.
+        block: with ``threshold="auto"``, the smallest block, a power of two of at least 16
+            (default 64).
+        blocks: with ``threshold="auto"``, the most blocks per tensor (default 64); 1: one
+            magnitude per tensor; 0: no limit, blocks of exactly ``block`` values.
     """
 
-    def __init__(self, threshold=0.5, name=None, *, rule=None, block=None):
+    def __init__(self, threshold=0.5, name=None, *, rule=None, block=None, blocks=None):
         tf.Module.__init__(self, name=name or "twobit_compressor")
         threshold = wire.validate_threshold(threshold)
-        self.block = wire.validate_block(block, threshold)
+        self.block, self.blocks = wire.validate_blocks(threshold, block, blocks)
         self._threshold = threshold
         self.auto_rule = wire.auto_rule(rule)
         self.residuals = Residuals()
@@ -242,8 +244,8 @@ class TwoBitCompressor(Compressor, tf.Module):
         extra = ""
         if self._threshold == "auto" and self.auto_rule != wire.DEFAULT_RULE:
             extra = ", rule=%r" % self.auto_rule
-        if self.block:
-            extra += ", block=%d" % self.block
+        if self.block and (self.block, self.blocks) != (wire.DEFAULT_BLOCK, wire.DEFAULT_BLOCKS):
+            extra += ", block=%d, blocks=%d" % (self.block, self.blocks or 0)
         return "TwoBitCompressor(threshold=%r%s)" % (self._threshold, extra)
 
     def compress(self, tensor):

@@ -41,8 +41,8 @@ class Exchange:
         self.nranks = process_set.size()
         self.in_place = in_place
         self.magnitude = None  # a numeric threshold is also the magnitude sent
-        self.block = compressor.block
         n = tensor.numel()
+        self.block = wire.block_of(n, compressor.block, compressor.blocks)
         nb = wire.num_blocks(n, self.block)
         auto = self.threshold == "auto"
         magnitudes = None

@@ -54,48 +54,50 @@ class TwoBitCompressor(Compressor):
     allreduce entry points (see :func:`horovod_twobit.torch.install`) that sends these payloads to
     allgather + decode + sum and leaves every other tensor untouched.
 
-    Automatic threshold: with ``threshold="auto"`` each rank chooses, for every tensor and step,
-    from its error-compensated values x = r + g, a support threshold t among c * mean|x| (c in 0.5,
-    0.75, 1, 1.5, 2, 3, 4, 6, 8) and the magnitude v sent for it: values with |x| >= t are sent as
-    +-v, where v is the mean of |x| over them (the least-squares value for that support), and the
-    pair with the smallest squared error wins. v travels in the payload header (float32), with no
-    extra communication round; receivers decode each sender's payload with that sender's v. Still
-    2 bits per value plus the constant header, and the residual keeps what was not sent (x - v
-    where sent, which may be negative). Why: a fixed threshold only works when it happens to match
-    the gradients' scale, which differs per layer and drifts during training; and tying the value
-    sent to the threshold (MXNet's code) caps what a large value can send per step, a backlog that
-    momentum amplifies. The rule was chosen by measurement (``examples/convergence.py``, README's
-    "Automatic threshold"): mean|x| alone (scaled-sign's scale) collapses with momentum SGD; the
-    error-minimising threshold with v = t (``opt``) loses 1.1-1.6 points to fp32 with momentum on
-    the digits MLP; ``lsq`` matches fp32 there and cuts the char-LSTM momentum gap by about half.
-    Adam remains the hard case: its per-coordinate normalisation turns a sparse code's bursts into
-    smaller steps, and ``opt`` (smaller bursts) did better with it (see README). Cost: two extra
-    read passes over r and g per step, one of them keeping 18 float64 sums per value: on a CPU
-    about ten fixed-threshold encodes (README's "Per-block magnitudes" has figures).
-    ``HOROVOD_TWOBIT_AUTO_RULE`` (``lsq``, ``opt``, ``mean``, ``rms``, optionally ``*K``), read
-    when the compressor is built, or the ``rule`` argument, selects another rule: ``opt`` for
-    Adam, the others for studies.
+    Automatic threshold: with ``threshold="auto"`` each rank chooses, for every block of a tensor
+    and every step, from its error-compensated values x = r + g, a support threshold t among
+    c * mean|x| (c in 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8) and the magnitude v sent for it: values with
+    |x| >= t are sent as +-v, where v is the mean of |x| over them (the least-squares value for
+    that support), and the pair with the smallest squared error wins. A block is at least 64
+    consecutive values, doubled until the tensor has at most 64 blocks (a tensor of 64 values or
+    fewer is one block; 1 M values make blocks of 16 K). The magnitudes travel with the payload
+    (float32: in the header for a single block, else after it, at most 256 bytes per tensor),
+    with no extra communication round; receivers decode each sender's block with that sender's
+    v. The codes and their layout are MXNet's, and the residual keeps what was not sent (x - v
+    where sent, which may be negative). Why: a fixed threshold only works when it happens to
+    match the gradients' scale, which differs per layer and drifts during training; tying the
+    value sent to the threshold (MXNet's code) caps what a large value can send per step, a
+    backlog that momentum amplifies; and one magnitude per tensor fits tensors whose rows differ
+    in scale (an LSTM's gates, embeddings, output projections) badly. The rule and the block
+    sizes were chosen by measurement (``examples/convergence.py``, README's "Automatic
+    threshold"): with these defaults SGD, momentum and Adam are within 0.5 points of fp32's
+    accuracy on the digits MLP and within 2 % of its loss on the char-LSTM, on three seeds; with
+    one magnitude per tensor (``blocks=1``), momentum is 4 % and Adam 9-10 % above fp32's loss
+    there. Cost: 2 bits per value plus at most 64 magnitudes per tensor (0.5 bits per value in
+    blocks of 64 values, 0.03 in blocks of 1 K), and two extra read passes over r and g per
+    step, one of them keeping 18 float64 sums per value: on a CPU about ten fixed-threshold
+    encodes (README's "Automatic threshold" has figures). ``HOROVOD_TWOBIT_AUTO_RULE`` (``lsq``,
+    ``opt``, ``mean``, ``rms``, optionally ``*K``), read when the compressor is built, or the
+    ``rule`` argument, selects another rule, for studies.
 
     Args:
         threshold: a positive number (MXNet's default 0.5), or ``"auto"``.
         min_numel: tensors with fewer values go through Horovod's ordinary allreduce, uncompressed
             (default 0: compress everything). Small tensors (biases, norms) save few bytes but pay
             a fixed cost per call (about 0.1 ms on a CPU; see README's "Codec speed").
-        rule: the rule of ``threshold="auto"``: ``"lsq"`` (default), ``"opt"`` (better with Adam),
-            ``"mean"`` or ``"rms"``; default: ``HOROVOD_TWOBIT_AUTO_RULE``, else ``"lsq"``.
-        block: with ``threshold="auto"``, choose the threshold and magnitude per block of this
-            many consecutive values (a power of two, at least 16; 256 recommended) instead of per
-            tensor: each block's magnitude travels after the header (32 / block bits per value
-            more: 6 % more bytes for 256). Tensors whose rows differ in scale (an LSTM's gates,
-            embeddings, output projections) fit one magnitude badly; on the char-LSTM study,
-            block=256 brings momentum from 4 % above fp32's loss to under 1 %, and Adam (with
-            ``rule="opt"``) from 9-10 % to about 1 % (README's "Per-block magnitudes"). Default
-            None: one magnitude per tensor, a constant header.
+        rule: the rule of ``threshold="auto"``: ``"lsq"`` (default), ``"opt"`` (the threshold is
+            also the magnitude), ``"mean"`` or ``"rms"``; default: ``HOROVOD_TWOBIT_AUTO_RULE``,
+            else ``"lsq"``.
+        block: with ``threshold="auto"``, the smallest block, a power of two of at least 16
+            (default 64).
+        blocks: with ``threshold="auto"``, the most blocks per tensor (default 64); the block
+            size doubles from ``block`` until the tensor fits. 1: one magnitude per tensor, a
+            constant 20-byte header; 0: no limit, blocks of exactly ``block`` values.
     """
 
-    def __init__(self, threshold=0.5, *, min_numel=0, rule=None, block=None):
+    def __init__(self, threshold=0.5, *, min_numel=0, rule=None, block=None, blocks=None):
         self.threshold = wire.validate_threshold(threshold)
-        self.block = wire.validate_block(block, self.threshold)
+        self.block, self.blocks = wire.validate_blocks(self.threshold, block, blocks)
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError("min_numel must be a non-negative integer, got %r" % (min_numel,))
         self.min_numel = min_numel
@@ -111,8 +113,8 @@ class TwoBitCompressor(Compressor):
         extra = ", min_numel=%d" % self.min_numel if self.min_numel else ""
         if self.threshold == "auto" and self.auto_rule != wire.DEFAULT_RULE:
             extra += ", rule=%r" % self.auto_rule
-        if self.block:
-            extra += ", block=%d" % self.block
+        if self.block and (self.block, self.blocks) != (wire.DEFAULT_BLOCK, wire.DEFAULT_BLOCKS):
+            extra += ", block=%d, blocks=%d" % (self.block, self.blocks or 0)
         return "TwoBitCompressor(threshold=%r%s)" % (self.threshold, extra)
 
     def compress(self, tensor):

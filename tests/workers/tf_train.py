@@ -21,6 +21,7 @@ p.add_argument("--steps", type=int, default=20)
 p.add_argument("--threshold", type=lambda v: v if v == "auto" else float(v), default=0.5)
 p.add_argument("--groups", type=int, default=0)
 p.add_argument("--block", type=int, default=None)
+p.add_argument("--blocks", type=int, default=None)
 args = p.parse_args()
 
 import horovod.tensorflow as hvd  # noqa: E402
@@ -53,7 +54,7 @@ def key(v):
 
 
 model = build_model()
-compressor = TwoBitCompressor(args.threshold, block=args.block)
+compressor = TwoBitCompressor(args.threshold, block=args.block, blocks=args.blocks)
 variables = model.trainable_variables
 names = [key(v) for v in variables]
 rec = {}

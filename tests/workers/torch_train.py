@@ -19,6 +19,7 @@ p.add_argument("--op", default="average")
 p.add_argument("--dtype", default="float32")
 p.add_argument("--no-names", action="store_true")
 p.add_argument("--block", type=int, default=None)
+p.add_argument("--blocks", type=int, default=None)
 args = p.parse_args()
 
 hvd.init()
@@ -30,7 +31,7 @@ hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # Horovod cannot broa
 model = model.to(dtype)
 names = {p: n for n, p in model.named_parameters()}
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-compressor = TwoBitCompressor(args.threshold, block=args.block)
+compressor = TwoBitCompressor(args.threshold, block=args.block, blocks=args.blocks)
 kw = dict(compression=compressor, backward_passes_per_step=args.bpps,
           op=hvd.Sum if args.op == "sum" else hvd.Average)
 if not args.no_names:
