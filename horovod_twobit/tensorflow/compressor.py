@@ -211,7 +211,7 @@ class TwoBitCompressor(Compressor, tf.Module):
     :func:`horovod_twobit.tensorflow.auto_levels` and :func:`horovod_twobit.tensorflow.codec.block_levels`,
     bit for bit the NumPy reference's and the PyTorch binding's, so both frameworks interoperate
     in "auto" mode too. They cost two extra read passes over r and g per step (float64
-    reductions; on a CPU about ten fixed-threshold encodes).
+    reductions; on a CPU three to nine fixed-threshold encodes).
 
     Args:
         threshold: a positive number (MXNet's default 0.5), or ``"auto"``.

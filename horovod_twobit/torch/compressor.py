@@ -75,7 +75,7 @@ class TwoBitCompressor(Compressor):
     one magnitude per tensor (``blocks=1``), momentum is 4 % and Adam 9-10 % above fp32's loss
     there. Cost: 2 bits per value plus at most 64 magnitudes per tensor (0.5 bits per value in
     blocks of 64 values, 0.03 in blocks of 1 K), and two extra read passes over r and g per
-    step, one of them keeping 18 float64 sums per value: on a CPU about ten fixed-threshold
+    step, one of them keeping 18 float64 sums per value: on a CPU three to nine fixed-threshold
     encodes (README's "Automatic threshold" has figures). ``HOROVOD_TWOBIT_AUTO_RULE`` (``lsq``,
     ``opt``, ``mean``, ``rms``, optionally ``*K``), read when the compressor is built, or the
     ``rule`` argument, selects another rule, for studies.
