@@ -164,10 +164,12 @@ def aggregate(decoded, op="average", prescale=1.0, postscale=1.0):
 class Workers:
     """N simulated workers with one residual per tensor name each: what N ranks of the real
     communicator compute, step by step. ``threshold`` may be ``"auto"`` (each rank picks its own
-    with :func:`auto_levels` every step; ``rule`` names the rule; with ``block`` or ``blocks``, per
-    block of :func:`horovod_twobit.wire.block_of` values, with :func:`block_levels`). ``last_thresholds[name]``: the value each rank put in its header at the
-    last step (the magnitude it sent; with blocks, the array of block magnitudes);
-    ``last_levels[name]``: each rank's (threshold, magnitude)."""
+    levels every step, with ``rule``: per block of :func:`horovod_twobit.wire.block_of` values with
+    :func:`block_levels`, or with :func:`auto_levels` for a tensor of one block; ``block`` and
+    ``blocks`` as :class:`horovod_twobit.torch.TwoBitCompressor` takes them).
+    ``last_thresholds[name]``: the value each rank put in its header at the last step (the
+    magnitude it sent; with blocks, the array of block magnitudes); ``last_levels[name]``: each
+    rank's (threshold, magnitude)."""
 
     def __init__(self, nranks, threshold, rule=DEFAULT_RULE, block=None, blocks=None):
         self.nranks = nranks
@@ -188,7 +190,7 @@ class Workers:
                 self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
             return np.full(shape, np.nan, dtype=np.float32)
         decoded, levels = [], []
-        block = wire.block_of(flat[0].size, self.block, self.blocks) if self.threshold == "auto" else None
+        block = wire.block_of(flat[0].size, self.block, self.blocks)  # None for numeric thresholds
         for rank, g in enumerate(flat):
             r = self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
             t = v = self.threshold

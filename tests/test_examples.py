@@ -24,7 +24,7 @@ def test_convergence_study_smoke(tmp_path):
     assert {(r["model"], r["method"]) for r in results} == {
         (m, k) for m in ("mlp", "lstm") for k in methods}
     mlp = {r["method"]: r for r in results if r["model"] == "mlp"}
-    assert mlp["none"]["bytes"] == 2 * mlp["fp16"]["bytes"] > 15 * mlp["auto"]["bytes"]
+    assert mlp["none"]["bytes"] == 2 * mlp["fp16"]["bytes"] > 14 * mlp["auto"]["bytes"]
     # the two bias vectors (256 and 10 values) of the MLP travel uncompressed; the two weight
     # matrices are cut into at most 8 blocks of at least 32 values: 2048 and 512 values
     from horovod_twobit import wire

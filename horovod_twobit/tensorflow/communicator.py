@@ -46,7 +46,7 @@ class Exchange:
         self.before = self.residual.read_value()
         self.auto = self.mode == "auto"
         n = self.numel
-        self.block = wire.block_of(n, compressor.block, compressor.blocks)  # residuals need static sizes
+        self.block = wire.block_of(n, compressor.block, compressor.blocks)  # n is static
         if self.block:
             # one (threshold, magnitude) per block of values; the magnitudes follow the header
             tb, vb = codec.block_levels(self.before, self.grad, self.block, compressor.auto_rule)
