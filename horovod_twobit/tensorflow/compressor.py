@@ -207,9 +207,10 @@ class TwoBitCompressor(Compressor, tf.Module):
     (:class:`horovod_twobit.torch.TwoBitCompressor`; README's "Automatic threshold"). The ``rule``
     argument, else ``HOROVOD_TWOBIT_AUTO_RULE`` read when the compressor is built (``lsq``, the
     default, ``opt``, ``mean``, ``rms``, optionally ``*K``), selects another rule
-    (:attr:`auto_rule`), for studies. The levels are :func:`horovod_twobit.tensorflow.auto_levels`
-    and :func:`horovod_twobit.tensorflow.codec.block_levels`, bit for bit the NumPy reference's and
-    the PyTorch binding's, so both frameworks interoperate in "auto" mode too. They cost two extra
+    (:attr:`auto_rule`; README compares them). The levels are
+    :func:`horovod_twobit.tensorflow.auto_levels` and
+    :func:`horovod_twobit.tensorflow.codec.block_levels`, bit for bit the NumPy reference's and the
+    PyTorch binding's, so both frameworks interoperate in "auto" mode too. They cost two extra
     read passes over r and g per step (float64 reductions; on a CPU three to nine fixed-threshold
     encodes).
 
