@@ -194,7 +194,7 @@ class Workers:
         for rank, g in enumerate(flat):
             r = self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
             t = v = self.threshold
-            if t == "auto" and block:
+            if block:  # "auto" only
                 t, v = block_levels(r + g, block, self.rule)
             elif t == "auto":
                 t, v = auto_levels(r + g, self.rule)

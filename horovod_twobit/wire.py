@@ -136,7 +136,8 @@ def make_header(numel, threshold, flags=0, block=None):
     hi = numel >> 32
     as_i32 = lambda u: u - (1 << 32) if u >= (1 << 31) else u  # noqa: E731
     if block:
-        return [(MAGIC << 16) | FORMAT_VERSION, int(flags) | FLAG_BLOCKS, as_i32(lo), as_i32(hi), int(block)]
+        return [(MAGIC << 16) | FORMAT_VERSION, int(flags) | FLAG_BLOCKS, as_i32(lo), as_i32(hi),
+                int(block)]
     return [(MAGIC << 16) | FORMAT_VERSION, int(flags), as_i32(lo), as_i32(hi), float_bits(threshold)]
 
 
@@ -173,8 +174,9 @@ class Header:
 def split_gathered(flat_words, nranks, name):
     """Parses an allgathered int32 buffer (a sequence of Python ints or a 1-D array) into
     ``nranks`` (header, start, stop) triples, where ``flat_words[start:stop]`` are that rank's body
-    (its block magnitudes, if any, then its packed words). Raises :class:`PayloadMismatchError`, with the same message on every rank, when the ranks
-    disagree on anything that makes the sum meaningless."""
+    (its block magnitudes, if any, then its packed words). Raises :class:`PayloadMismatchError`,
+    with the same message on every rank, when the ranks disagree on anything that makes the sum
+    meaningless."""
     out, off = [], 0
     total = len(flat_words)
     for rank in range(nranks):

@@ -84,7 +84,7 @@ class Exchange:
         elif self.auto:  # each sender's payload is decoded with that sender's magnitude (word 4)
             ts = tf.bitcast(rows[:, 4], tf.float32)
         else:
-            ts = None
+            ts = tf.fill([self.nranks], tf.constant(t, tf.float32))
         # ``checked`` is True once the header check passed (it raises otherwise). Using it as data
         # makes the result and the residual update wait for the check in a graph.
         bad = tf.logical_or(tf.logical_not(checked), tf.reduce_any(tf.not_equal(
@@ -97,8 +97,6 @@ class Exchange:
                             tf.float32)
         else:
             count = tf.constant(1.0, tf.float32)
-        if ts is None:
-            ts = tf.fill([self.nranks], tf.constant(t, tf.float32))
         out, new = kernels.finish(rows[:, wire.HEADER_WORDS + nb:], ts, bad, count, self.grad,
                                   tf.reshape(self.before, [-1]), t, self.op == mpi_ops.Average,
                                   self.scale, self.magnitude)
