@@ -106,6 +106,17 @@ def validate_blocks(threshold, block=None, blocks=None):
     return block, blocks or None
 
 
+def auto_args_repr(threshold, rule, block, blocks):
+    """The ``threshold="auto"`` arguments that differ from their defaults, as a compressor's repr
+    spells them (``", rule='opt', block=256, blocks=0"``); empty for numeric thresholds."""
+    extra = ""
+    if threshold == "auto" and rule != DEFAULT_RULE:
+        extra += ", rule=%r" % rule
+    if block and (block, blocks) != (DEFAULT_BLOCK, DEFAULT_BLOCKS):
+        extra += ", block=%d, blocks=%d" % (block, blocks or 0)
+    return extra
+
+
 def block_of(numel, block=None, blocks=None):
     """The block size a tensor of ``numel`` values is cut into: ``block`` (16 when not given),
     doubled until there are at most ``blocks`` blocks (when given). None (one magnitude per tensor,

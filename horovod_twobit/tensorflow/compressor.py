@@ -242,11 +242,7 @@ class TwoBitCompressor(Compressor, tf.Module):
         return self._threshold
 
     def __repr__(self):
-        extra = ""
-        if self._threshold == "auto" and self.auto_rule != wire.DEFAULT_RULE:
-            extra = ", rule=%r" % self.auto_rule
-        if self.block and (self.block, self.blocks) != (wire.DEFAULT_BLOCK, wire.DEFAULT_BLOCKS):
-            extra += ", block=%d, blocks=%d" % (self.block, self.blocks or 0)
+        extra = wire.auto_args_repr(self._threshold, self.auto_rule, self.block, self.blocks)
         return "TwoBitCompressor(threshold=%r%s)" % (self._threshold, extra)
 
     def compress(self, tensor):

@@ -112,10 +112,7 @@ class TwoBitCompressor(Compressor):
 
     def __repr__(self):
         extra = ", min_numel=%d" % self.min_numel if self.min_numel else ""
-        if self.threshold == "auto" and self.auto_rule != wire.DEFAULT_RULE:
-            extra += ", rule=%r" % self.auto_rule
-        if self.block and (self.block, self.blocks) != (wire.DEFAULT_BLOCK, wire.DEFAULT_BLOCKS):
-            extra += ", block=%d, blocks=%d" % (self.block, self.blocks or 0)
+        extra += wire.auto_args_repr(self.threshold, self.auto_rule, self.block, self.blocks)
         return "TwoBitCompressor(threshold=%r%s)" % (self.threshold, extra)
 
     def compress(self, tensor):
