@@ -20,6 +20,7 @@ class ResidualRegistry:
         self._residuals = {}
         self._pending = {}  # restored values not yet bound to a gradient (device unknown until then)
         self._lock = threading.Lock()
+        self.generation = 0  # changes whenever residuals are replaced (reset, load_state_dict)
 
     def get(self, name, grad):
         """The residual for ``name``, created at zero on first use. Raises if the tensor's size
@@ -44,6 +45,16 @@ class ResidualRegistry:
                     % (name, self._numel(r), self._numel(grad)))
             return r
 
+    def bind(self, name, view):
+        """Makes ``view`` (e.g. a slice of a bucket's flat buffer) the residual of ``name``, holding
+        its current value: the residual it had, a restored one, or zero. Same size checks as
+        :meth:`get`."""
+        old = self.get(name, view)
+        with self._lock:
+            if old is not view:
+                view.copy_(old.reshape(view.shape))
+            self._residuals[name] = view
+
     def names(self):
         with self._lock:
             return sorted(set(self._residuals) | set(self._pending))
@@ -67,9 +78,11 @@ class ResidualRegistry:
         with self._lock:
             self._residuals = {}
             self._pending = dict(state)
+            self.generation += 1
 
     def reset(self):
         """Forgets every residual (they restart from zero)."""
         with self._lock:
             self._residuals = {}
             self._pending = {}
+            self.generation += 1

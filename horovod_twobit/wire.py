@@ -40,6 +40,9 @@ VALUES_PER_WORD = 16
 FLAG_NONFINITE = 1
 FLAG_AUTO = 2
 FLAG_BLOCKS = 4
+FLAG_BUCKET = 8
+
+BUCKET_HEADER_WORDS = 8
 
 # value k of a word sits in byte k // 4 (memory order; little-endian, so bits 8 * (k // 4) up), in
 # that byte's bits 7-6, 5-4, 3-2, 1-0 for k % 4 = 0, 1, 2, 3: word >> WORD_SHIFTS[k] & 3 is its code
@@ -182,6 +185,118 @@ class Header:
         return bool(self.flags & FLAG_AUTO)
 
 
+def flag_words(members):
+    """int32 words holding one flags byte per member of a bucket payload."""
+    return (int(members) + 3) // 4
+
+
+def make_bucket_header(numels, threshold, auto, digest, payload_words):
+    """The fixed words of a bucket payload (:data:`FLAG_BUCKET`, several tensors in one payload):
+
+    ====  ======================================================================
+    word  meaning
+    ====  ======================================================================
+    0     ``MAGIC << 16 | FORMAT_VERSION``
+    1     flags: FLAG_BUCKET, FLAG_AUTO, FLAG_NONFINITE (some member held NaN/Inf)
+    2, 3  the members' values in all, low and high 32 bits
+    4     the threshold as float32 bits (1.0 with FLAG_AUTO: magnitudes follow)
+    5     the number of members M
+    6     a digest of the members' sizes and block sizes (see :mod:`layout`)
+    7     the payload's length in int32 words, this header included
+    ====  ======================================================================
+
+    Then ceil(M / 4) words of one flags byte per member (bit 0: that member held NaN/Inf), with
+    FLAG_AUTO the float32 magnitude of every segment (each member's blocks in order, one for a
+    member of one block), then each member's ceil(n / 16) packed words, member by member."""
+    total = sum(int(n) for n in numels)
+    head = make_header(total, threshold, FLAG_BUCKET | (FLAG_AUTO if auto else 0))
+    return head + [len(numels), int(digest), int(payload_words)]
+
+
+class BucketHeader:
+    """A parsed bucket payload header (see :func:`make_bucket_header`)."""
+
+    __slots__ = ("version", "flags", "numel", "threshold", "members", "digest", "length")
+
+    def __init__(self, words):
+        h = Header(words[:HEADER_WORDS])
+        if not h.flags & FLAG_BUCKET or h.block:
+            raise PayloadMismatchError("not a bucket payload")
+        self.version, self.flags, self.numel = h.version, h.flags, h.numel
+        self.threshold = h.threshold
+        self.members = int(words[5])
+        self.digest = int(words[6])
+        self.length = int(words[7])
+
+    @property
+    def nonfinite(self):
+        return bool(self.flags & FLAG_NONFINITE)
+
+    @property
+    def auto(self):
+        return bool(self.flags & FLAG_AUTO)
+
+
+def check_bucket_headers(headers, names):
+    """Raises :class:`PayloadMismatchError`, with the same message on every rank, unless every
+    rank's bucket header (a :class:`BucketHeader`, or None for a payload that is not one) agrees
+    on the format, the members and the threshold."""
+    what = "bucket of %d tensors (%s)" % (len(names), ", ".join(names[:3])
+                                           + (", ..." if len(names) > 3 else ""))
+    if any(h is None for h in headers):
+        raise PayloadMismatchError(
+            "%s: ranks %s sent something other than a bucket payload: every rank must use "
+            "TwoBitCompressor with the same bucket_bytes and the same model"
+            % (what, [i for i, h in enumerate(headers) if h is None]))
+    versions = [h.version for h in headers]
+    if len(set(versions)) != 1 or versions[0] != FORMAT_VERSION:
+        raise PayloadMismatchError(
+            "%s: ranks use payload format versions %s, this rank understands %d: install the same "
+            "horovod-twobit version on every host" % (what, versions, FORMAT_VERSION))
+    layouts = [(h.members, h.numel, h.digest, h.length) for h in headers]
+    if len(set(layouts)) != 1:
+        raise PayloadMismatchError(
+            "%s: ranks bucketed different tensors (members, values, digest, words by rank: %s): the "
+            "tensors must have the same sizes on every rank, and every rank must use the same "
+            "bucket_bytes and block settings" % (what, layouts))
+    autos = [h.auto for h in headers]
+    if len(set(autos)) != 1:
+        raise PayloadMismatchError(
+            "%s: some ranks use threshold='auto' and others a fixed threshold %s: construct "
+            "TwoBitCompressor with the same threshold on every rank" % (what, autos))
+    if not autos[0]:
+        ts = [h.threshold for h in headers]
+        if len(set(float_bits(t) for t in ts)) != 1:
+            raise PayloadMismatchError(
+                "%s: ranks use different thresholds %s (by rank): construct TwoBitCompressor "
+                "with the same threshold on every rank" % (what, ts))
+
+
+def split_bucket(read, total, nranks, names):
+    """Parses an allgathered buffer of ``total`` int32 words holding one bucket payload per rank,
+    reading header words with ``read(start, stop)`` (a list of ints). Returns the headers, or
+    raises :class:`PayloadMismatchError` with a message that depends only on the gathered bytes,
+    so the same on every rank."""
+    headers, off = [], 0
+    for rank in range(nranks):
+        h = None
+        if off + BUCKET_HEADER_WORDS <= total:
+            try:
+                h = BucketHeader(read(off, off + BUCKET_HEADER_WORDS))
+            except PayloadMismatchError:
+                h = None
+        if h is None or h.length < BUCKET_HEADER_WORDS:
+            check_bucket_headers(headers + [None], names)  # names what rank sent no bucket
+        headers.append(h)
+        off += h.length
+    check_bucket_headers(headers, names)
+    if off != total:
+        raise PayloadMismatchError(
+            "bucket of %s: the gathered buffer holds %d words, the headers account for %d; ranks "
+            "sent payloads of different sizes" % (names[0], total, off))
+    return headers
+
+
 def split_gathered(flat_words, nranks, name):
     """Parses an allgathered int32 buffer (a sequence of Python ints or a 1-D array) into
     ``nranks`` (header, start, stop) triples, where ``flat_words[start:stop]`` are that rank's body
@@ -197,6 +312,8 @@ def split_gathered(flat_words, nranks, name):
                 "different sizes: the tensor must have the same number of elements on every rank"
                 % (name, rank))
         h = Header(flat_words[off:off + HEADER_WORDS])
+        if h.flags & FLAG_BUCKET:
+            check_headers([h], name)  # names the mix of buckets and single tensors
         start = off + HEADER_WORDS
         stop = start + body_words(h.numel, h.block)
         out.append((h, start, stop))
@@ -211,6 +328,12 @@ def split_gathered(flat_words, nranks, name):
 
 def check_headers(headers, name):
     """Raises :class:`PayloadMismatchError` unless all ranks' headers agree."""
+    bucketed = [i for i, h in enumerate(headers) if h.flags & FLAG_BUCKET]
+    if bucketed:
+        raise PayloadMismatchError(
+            "tensor %r: ranks %s sent it in a bucket of several tensors, the others alone: every "
+            "rank must use TwoBitCompressor with the same bucket_bytes and the same model"
+            % (name, bucketed))
     versions = [h.version for h in headers]
     if len(set(versions)) != 1 or versions[0] != FORMAT_VERSION:
         raise PayloadMismatchError(

@@ -13,7 +13,7 @@ import horovod.torch as hvd_torch
 import horovod.torch.mpi_ops as mpi_ops
 import horovod.torch.optimizer as hvd_optimizer
 
-from .communicator import Exchange, Handle
+from .communicator import Handle, check_call
 from .compressor import TwoBitCompressor, pending_of
 
 _MODULES = (hvd_torch, mpi_ops, hvd_optimizer)
@@ -40,9 +40,12 @@ def _check_compression(compression):
         raise TypeError("pass an instance, e.g. compression=TwoBitCompressor(0.5), not the class")
 
 
-def _start(tensor, pending, name, op, prescale, postscale, process_set, in_place):
+def _alone(tensor, pending, name, call, in_place):
+    """Sends one tensor in a bucket of its own."""
+    check_call(call[0], name)
     pending.routed = True
-    return Exchange(pending.compressor, tensor, name, op, prescale, postscale, process_set, in_place)
+    flight = pending.compressor.single(name, tensor).launch([tensor], *call, in_place=in_place)
+    return Handle(flight, 0)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -53,10 +56,13 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         return _orig("allreduce_async_")(tensor, average=average, name=name, op=op,
                                          prescale_factor=prescale_factor,
                                          postscale_factor=postscale_factor, process_set=process_set)
-    ex = _start(tensor, pending, name, _op(op, average), prescale_factor, postscale_factor,
-                process_set, in_place=True)
-    return Handle([ex], mpi_ops.allgather_async(ex.payload, name=name, process_set=process_set),
-                  grouped=False)
+    call = (_op(op, average), prescale_factor, postscale_factor, process_set)
+    bucket = pending.compressor.bucket_of(name)
+    if bucket is not None and tensor.numel() == bucket.layout.numels[bucket.index[name]]:
+        check_call(call[0], name)
+        pending.routed = True
+        return bucket.arrive(tensor, name, call)
+    return _alone(tensor, pending, name, call, in_place=True)
 
 
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
@@ -74,40 +80,45 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
         return _orig("allreduce")(tensor, average=average, name=name, op=op,
                                   prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor, process_set=process_set)
-    ex = _start(compressed, pending, name, _op(op, average), prescale_factor, postscale_factor,
-                process_set, in_place=False)
-    handle = Handle([ex], mpi_ops.allgather_async(ex.payload, name=name, process_set=process_set),
-                    grouped=False)
+    call = (_op(op, average), prescale_factor, postscale_factor, process_set)
+    handle = _alone(compressed, pending, name, call, in_place=False)
     return compression.decompress(handle(), ctx)
 
 
 def _grouped(tensors, name, op, prescale, postscale, process_set, in_place):
-    """Splits a group into TwoBit tensors (one grouped allgather) and the rest (one grouped
-    allreduce through Horovod, untouched). Returns a Handle, or None when no tensor is TwoBit."""
+    """Splits a group into TwoBit tensors (one bucket: one encode, one allgather, one finish) and
+    the rest (one grouped allreduce through Horovod, untouched). Returns a Handle, or None when
+    no tensor is TwoBit."""
     marks = [pending_of(t) for t in tensors]
     if all(m is None for m in marks):
         return None
     if name is None:
         raise ValueError("TwoBitCompressor keys its residuals by tensor name, and this grouped "
                          "allreduce has none: pass name='...'")
-    exchanges, plain, order = [], [], []
+    check_call(op, name)
+    compressed, plain, order = [], [], []
     for i, (t, m) in enumerate(zip(tensors, marks)):
         if m is None:
             order.append(("p", len(plain)))
             plain.append(t)
         else:
-            order.append(("c", len(exchanges)))
-            exchanges.append(_start(t, m, "%s.%d" % (name, i), op, prescale, postscale,
-                                    process_set, in_place))
-    gather = mpi_ops.grouped_allgather_async([ex.payload for ex in exchanges], name=name,
-                                             process_set=process_set)
+            order.append(("c", len(compressed)))
+            compressed.append(("%s.%d" % (name, i), t, m))
+            m.routed = True
+    compressor = compressed[0][2].compressor
+    names = [n for n, _, _ in compressed]
+    group = [t for _, t, _ in compressed]
+    if len(group) == 1:
+        bucket = compressor.single(names[0], group[0])
+    else:
+        bucket = compressor.group_bucket(names, group)
+    flight = bucket.launch(group, op, prescale, postscale, process_set, in_place)
     passthrough = None
     if plain:
         fn = _orig("grouped_allreduce_async_") if in_place else mpi_ops.grouped_allreduce_async
         passthrough = fn(plain, name=name + ".uncompressed", op=op, prescale_factor=prescale,
                          postscale_factor=postscale, process_set=process_set)
-    return Handle(exchanges, gather, grouped=True, passthrough=passthrough,
-                  order=order if plain else None)
+    return Handle(flight, passthrough=passthrough, order=order if plain else None)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -174,6 +185,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, *ar
                 "parameter %r has a sparse gradient, which TwoBitCompressor cannot compress: pass "
                 "sparse_as_dense=True to hvd.DistributedOptimizer" % (name,))
         opt._sparse_allreduce_grad_async = refuse_sparse
+        if compression.bucket_bytes and getattr(opt, "_groups", None) is None:
+            # gradients become ready roughly in the reverse order of the parameters (DDP's rule)
+            names = opt._parameter_names
+            params = [p for group in opt.param_groups for p in group["params"]
+                      if p in opt._requires_update]
+            compression.plan([(names[p], p) for p in reversed(params)])
     return opt
 
 

@@ -76,3 +76,187 @@ def decode(words, numel, threshold):
     if words.numel() != wire.num_words(numel):
         raise ValueError("%d values need %d words, got %d" % (numel, wire.num_words(numel), words.numel()))
     return kernels.decode_sum([words.contiguous()], [t], numel)
+
+
+# ----------------------------------------------------------------- payloads of a bucket (layout)
+# A bucket (see horovod_twobit.layout) goes through encode_payload before the collective and
+# finish_payload after it: the communicator reaches the kernels only through these two.
+
+class _OnDevice:
+    """A layout's index tensors on one device, made once."""
+
+    def __init__(self, layout, device):
+        def ints(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype, device=device)
+        self.seg_words = ints(layout.seg_words) if layout.auto else None
+        self.groups = []
+        for length, ids, start in layout.groups:
+            idx = None
+            if start is None and length:
+                idx = torch.cat([torch.arange(layout.seg_starts[k], layout.seg_starts[k] + length,
+                                              device=device) for k in ids])
+            whole = ids == list(range(layout.segments))
+            self.groups.append((length, len(ids), start, idx, None if whole else ints(ids)))
+        offs = layout.member_offsets()
+        self.word_starts = ints([a for a, _ in offs])
+        self.word_ends = ints([a + w for a, w in offs])
+        self.headers = {}
+
+    def header(self, layout, threshold):
+        h = self.headers.get(threshold)
+        if h is None:
+            h = self.headers[threshold] = torch.tensor(layout.header(threshold), dtype=torch.int32,
+                                                       device=self.word_starts.device)
+        return h
+
+
+def _on(layout, device):
+    cache = layout.__dict__.setdefault("_torch", {})
+    d = cache.get(device)
+    if d is None:
+        d = cache[device] = _OnDevice(layout, device)
+    return d
+
+
+def segment_levels(layout, r, g, rule):
+    """(thresholds, magnitudes) of every segment of an "auto" layout (each member's blocks), two
+    1-D float32 tensors: equal-length segments are reduced together, one call per length, each
+    exactly as :func:`kernels.auto_levels` reduces one tensor or block."""
+    on = _on(layout, g.device)
+    ts = torch.empty(layout.segments, dtype=torch.float32, device=g.device)
+    vs = torch.empty_like(ts)
+    for length, k, start, idx, ids in on.groups:
+        if not length:
+            t = v = torch.ones(k, dtype=torch.float32, device=g.device)
+        elif idx is None:
+            t, v = kernels.auto_levels(r[start:start + k * length].view(k, length),
+                                       g[start:start + k * length].view(k, length), rule)
+        else:
+            t, v = kernels.auto_levels(r.index_select(0, idx).view(k, length),
+                                       g.index_select(0, idx).view(k, length), rule)
+        if ids is None:
+            ts, vs = t, v
+        else:
+            ts.index_copy_(0, ids, t)
+            vs.index_copy_(0, ids, v)
+    return ts, vs
+
+
+def _per_word(layout, on, seg):
+    if layout.segments == 1:
+        return seg[0]
+    return torch.repeat_interleave(seg, on.seg_words, output_size=layout.words)
+
+
+def encode_payload(layout, r, g, threshold, rule, payload):
+    """Writes the payload of one rank for flat residual ``r`` (float32) and gradient ``g`` (1-D,
+    ``layout.values`` long) into ``payload`` (1-D int32, ``layout.payload_words``); nothing else
+    is modified. Returns the (threshold, magnitude) the finish commits with: numbers, 0-d tensors
+    or one per word."""
+    on = _on(layout, g.device)
+    body = payload[layout.body:]
+    mags = None
+    if layout.auto:
+        ts, mags = segment_levels(layout, r, g, rule)
+        t, v = _per_word(layout, on, ts), _per_word(layout, on, mags)
+    else:
+        t = v = threshold
+    flags = None if layout.single else torch.empty(layout.words, dtype=torch.bool, device=g.device)
+    _, nonfinite = kernels.pack(r, g, t, out=body, word_flags=flags)
+    head = on.header(layout, threshold if not layout.auto else "auto")
+    payload[:head.numel()].copy_(head)
+    payload[1] |= nonfinite.to(torch.int32) * wire.FLAG_NONFINITE
+    if flags is not None:  # one byte per member: did any of its words hold NaN or Inf
+        counts = torch.nn.functional.pad(flags.to(torch.int32).cumsum(0), (1, 0))
+        bad = (counts[on.word_ends] - counts[on.word_starts]) > 0
+        member_bytes = payload[wire.BUCKET_HEADER_WORDS:layout.head_words].view(torch.uint8)
+        member_bytes.zero_()
+        member_bytes[:layout.members].copy_(bad.to(torch.uint8))
+    if mags is not None:
+        if layout.mag_words:
+            payload[layout.head_words:layout.body].copy_(mags.view(torch.int32))
+        else:  # a single tensor of one block: its magnitude in header word 4
+            payload[4:5].copy_(mags.view(torch.int32))
+    return t, v
+
+
+def split_single(gathered, numel, nranks, name, block=None):
+    """[(header, body)] per rank of an allgathered single-tensor payload, or
+    PayloadMismatchError with the same message on every rank."""
+    stride = wire.HEADER_WORDS + wire.body_words(numel, block)
+    if gathered.numel() == nranks * stride:
+        rows = gathered.view(nranks, stride)
+        heads = rows[:, :wire.HEADER_WORDS].tolist()
+        try:
+            headers = [wire.Header(h) for h in heads]
+        except wire.PayloadMismatchError:
+            headers = None
+        if headers is not None and all(h.numel == numel for h in headers):
+            # Every header sits where this rank expects it and agrees on the size: the sequential
+            # parse every rank would do visits exactly these offsets, so the decision is the same.
+            wire.check_headers(headers, name)
+            return [(h, rows[i, wire.HEADER_WORDS:]) for i, h in enumerate(headers)]
+    wire.split_gathered(gathered.tolist(), nranks, name)  # raises the precise error
+    raise wire.PayloadMismatchError("tensor %r: ranks sent incompatible payloads" % name)
+
+
+def _rows(layout, gathered, nranks, names):
+    """(headers, [int32 payload row per rank], bad member flags per rank) of a gathered buffer,
+    or PayloadMismatchError with the same message on every rank."""
+    if layout.single:
+        parts = split_single(gathered, layout.numels[0], nranks, names[0], layout.blocks[0])
+        rows = gathered.view(nranks, layout.payload_words)
+        return [h for h, _ in parts], list(rows), [[h.nonfinite] for h, _ in parts]
+    total = gathered.numel()
+    stride = layout.payload_words
+    if total == nranks * stride:
+        rows = gathered.view(nranks, stride)
+        heads = rows[:, :layout.head_words].tolist()
+        try:
+            headers = [wire.BucketHeader(h) for h in heads]
+        except wire.PayloadMismatchError:
+            headers = None
+        if headers is not None and all(h.length == stride for h in headers):
+            wire.check_bucket_headers(headers, names)
+            flags = []
+            for h, words in zip(headers, heads):
+                if h.nonfinite:
+                    raw = torch.tensor(words[wire.BUCKET_HEADER_WORDS:], dtype=torch.int32)
+                    flags.append([bool(b) for b in raw.view(torch.uint8)[:layout.members]])
+                else:
+                    flags.append([False] * layout.members)
+            return headers, list(rows), flags
+    wire.split_bucket(lambda a, b: gathered[a:b].tolist(), total, nranks, names)
+    raise wire.PayloadMismatchError("bucket of %s: ranks sent incompatible payloads" % names[0])
+
+
+def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, out=None):
+    """After the collective: checks every rank's payload, then in one pass commits this rank's
+    error feedback (r <- r + g - q, with the (t, v) :func:`encode_payload` returned) and writes the
+    decode-sum of all ranks, / ``divisor``, * ``scale``, into ``out`` (or over ``g``). A member
+    that held NaN or Inf on any rank gets NaN and keeps its residual; the others are finished as
+    if it were not there. Returns the flat result."""
+    headers, rows, bad = _rows(layout, gathered, nranks, names)
+    dest = g if out is None else out
+    on = _on(layout, g.device)
+    words = [row[layout.body:] for row in rows]
+    if layout.auto:
+        ts = [_per_word(layout, on, row[layout.head_words:layout.body].view(torch.float32))
+              if layout.mag_words else row[4].view(torch.float32) for row in rows]
+    else:
+        ts = [h.threshold for h in headers]
+    bad = [any(b[i] for b in bad) for i in range(layout.members)]
+    if not any(bad):
+        kernels.finish(words, ts, r, g, t, divisor, scale, out=out, magnitude=v)
+        return dest
+    for i, ((w0, nw), start, n) in enumerate(zip(layout.member_offsets(), layout.starts,
+                                                 layout.numels)):
+        span = slice(start, start + (n if layout.single else 16 * nw))
+        if bad[i]:
+            dest[span].fill_(float("nan"))
+            continue
+        cut = lambda x: x[w0:w0 + nw] if isinstance(x, torch.Tensor) and x.dim() else x  # noqa
+        kernels.finish([w[w0:w0 + nw] for w in words], [cut(x) for x in ts], r[span], g[span],
+                       cut(t), divisor, scale, out=None if out is None else out[span],
+                       magnitude=cut(v))
+    return dest

@@ -1,121 +1,41 @@
-"""The communicator: allgather the 2-bit payloads, decode every rank's, sum them in rank order.
+"""The communicator: buckets of tensors go through one encode, one allgather and one finish.
 
-Packed words cannot go through a summing allreduce, so each rank allgathers ``header + words``
-(2 bits per value plus 20 bytes), checks that every rank sent a compatible payload, decodes each one
-and sums them in rank order. Every rank runs the same arithmetic on the same bytes, so the result
-is bitwise identical everywhere. The residual is updated only after the gather, and only when no
-rank's gradient held NaN or Inf; otherwise every rank's result is NaN (so loss scalers skip the step)
-and every residual stays as it was.
+A gradient's route: the router hands it to a :class:`Bucket` (a planned one, or a bucket of its
+own); when every member of the bucket has arrived, :class:`Flight` encodes them into one payload
+(``codec.encode_payload``), allgathers it, and on the first wait checks every rank's payload, sums
+the decoded payloads in rank order and commits the residuals (``codec.finish_payload``). Every rank
+runs the same arithmetic on the same bytes, so results are bitwise identical everywhere, and each
+tensor's result is what it would get alone: members keep their own residual, threshold and blocks.
+A tensor whose gradient held NaN or Inf on any rank gets NaN on every rank and keeps its residual.
+
+Bucket membership is fixed before any gradient exists (:mod:`horovod_twobit.torch.buckets`), so it
+cannot depend on the order in which gradients become ready.
 """
+
+import threading
+import warnings
 
 import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
 from .. import wire
-from . import codec, kernels
+from ..layout import Layout
+from . import codec
+
+_split = codec.split_single  # the single-tensor payload parser (tests use it by this name)
 
 
-class Exchange:
-    """One tensor's part of a collective: what was sent, and what is needed to finish it."""
-
-    __slots__ = ("tensor", "name", "residual", "threshold", "magnitude", "op", "scale", "nranks",
-                 "payload", "in_place", "block")
-
-    def __init__(self, compressor, tensor, name, op, prescale, postscale, process_set, in_place):
-        if op not in (mpi_ops.Average, mpi_ops.Sum):
-            raise ValueError(
-                "TwoBitCompressor supports op=hvd.Average and op=hvd.Sum only (got %s): use "
-                "hvd.Compression.none for Adasum, Min, Max or Product" % _op_name(op))
-        if name is None:
-            raise ValueError(
-                "TwoBitCompressor keys its residual by tensor name, and this allreduce has none: "
-                "pass name='...' (a name that stays the same every step) to hvd.allreduce, or "
-                "named_parameters to hvd.DistributedOptimizer")
-        self.tensor = tensor
-        self.name = name
-        self.threshold = compressor.threshold
-        self.residual = compressor.residuals.get(name, tensor)
-        self.op = op
-        self.scale = float(prescale) * float(postscale)
-        self.nranks = process_set.size()
-        self.in_place = in_place
-        self.magnitude = None  # a numeric threshold is also the magnitude sent
-        n = tensor.numel()
-        self.block = wire.block_of(n, compressor.block, compressor.blocks)
-        nb = wire.num_blocks(n, self.block)
-        auto = self.threshold == "auto"
-        magnitudes = None
-        if auto and self.block:  # one (threshold, magnitude) per block; magnitudes follow the header
-            t, magnitudes = kernels.block_levels(self.residual.view(-1), codec.flat(tensor),
-                                                 self.block, compressor.auto_rule)
-            self.threshold = kernels.per_word(t, self.block, n)
-            self.magnitude = kernels.per_word(magnitudes, self.block, n)
-        elif auto:  # chosen from r + g on this rank; the magnitude goes in the header; no host sync
-            self.threshold, self.magnitude = kernels.auto_levels(
-                self.residual.view(-1), codec.flat(tensor), compressor.auto_rule)
-        self.payload = torch.empty(wire.HEADER_WORDS + wire.body_words(n, self.block),
-                                   dtype=torch.int32, device=tensor.device)
-        header = self.payload[:wire.HEADER_WORDS]  # the words are packed straight behind it
-        _, nonfinite = codec.quantize_pack(tensor, self.residual, self.threshold,
-                                           out=self.payload[wire.HEADER_WORDS + nb:])
-        header.copy_(torch.tensor(wire.make_header(n, 1.0 if auto else self.threshold,
-                                                   wire.FLAG_AUTO if auto else 0, self.block),
-                                  dtype=torch.int32))
-        header[1] |= nonfinite.to(torch.int32) * wire.FLAG_NONFINITE
-        if magnitudes is not None:
-            self.payload[wire.HEADER_WORDS:wire.HEADER_WORDS + nb] = magnitudes.view(torch.int32)
-        elif auto:
-            header[4] = self.magnitude.reshape(1).view(torch.int32)[0]
-
-    def finish(self, gathered):
-        """Decodes and sums the gathered payloads; commits the residual; returns the result."""
-        n = self.tensor.numel()
-        parts = _split(gathered, n, self.nranks, self.name, self.block)
-        if any(h.nonfinite for h, _ in parts):
-            out = torch.full((n,), float("nan"), dtype=torch.float32, device=self.tensor.device)
-        else:
-            divisor = self.nranks if self.op == mpi_ops.Average else 1
-            if self.block:  # each rank's block magnitudes, then its words
-                nb = wire.num_blocks(n, self.block)
-                rows = [w[nb:] for _, w in parts]
-                ts = [kernels.per_word(w[:nb].view(torch.float32), self.block, n) for _, w in parts]
-            else:
-                rows, ts = [w for _, w in parts], [h.threshold for h, _ in parts]
-            g, r = codec.flat(self.tensor), self.residual.view(-1)
-            if self.in_place and self.tensor.is_contiguous() and g.dtype == self.tensor.dtype:
-                # g is the tensor's own memory: commit and decode in one pass, written over it
-                kernels.finish(rows, ts, r, g, self.threshold, divisor, self.scale,
-                               magnitude=self.magnitude)
-                return self.tensor
-            out_dtype = self.tensor.dtype if self.tensor.dtype != torch.float64 else torch.float32
-            out = kernels.finish(rows, ts, r, g, self.threshold, divisor, self.scale,
-                                 out=torch.empty(n, dtype=out_dtype, device=self.tensor.device),
-                                 magnitude=self.magnitude)
-        result = out.view(self.tensor.shape).to(self.tensor.dtype)
-        if self.in_place:
-            self.tensor.copy_(result)
-            return self.tensor
-        return result
-
-
-def _split(gathered, numel, nranks, name, block=None):
-    """[(header, body)] per rank, or PayloadMismatchError with the same message on every rank."""
-    stride = wire.HEADER_WORDS + wire.body_words(numel, block)
-    if gathered.numel() == nranks * stride:
-        rows = gathered.view(nranks, stride)
-        heads = rows[:, :wire.HEADER_WORDS].tolist()
-        try:
-            headers = [wire.Header(h) for h in heads]
-        except wire.PayloadMismatchError:
-            headers = None
-        if headers is not None and all(h.numel == numel for h in headers):
-            # Every header sits where this rank expects it and agrees on the size: the sequential
-            # parse every rank would do visits exactly these offsets, so the decision is the same.
-            wire.check_headers(headers, name)
-            return [(h, rows[i, wire.HEADER_WORDS:]) for i, h in enumerate(headers)]
-    wire.split_gathered(gathered.tolist(), nranks, name)  # raises the precise error
-    raise wire.PayloadMismatchError("tensor %r: ranks sent incompatible payloads" % name)
+def check_call(op, name):
+    if op not in (mpi_ops.Average, mpi_ops.Sum):
+        raise ValueError(
+            "TwoBitCompressor supports op=hvd.Average and op=hvd.Sum only (got %s): use "
+            "hvd.Compression.none for Adasum, Min, Max or Product" % _op_name(op))
+    if name is None:
+        raise ValueError(
+            "TwoBitCompressor keys its residual by tensor name, and this allreduce has none: "
+            "pass name='...' (a name that stays the same every step) to hvd.allreduce, or "
+            "named_parameters to hvd.DistributedOptimizer")
 
 
 def _op_name(op):
@@ -125,21 +45,183 @@ def _op_name(op):
     return repr(op)
 
 
-class Handle:
-    """A callable handle: calling it (or ``hvd.synchronize(handle)``) waits for the allgather,
-    finishes every exchange and returns the result: one tensor, or a list for grouped calls."""
+class Bucket:
+    """Named tensors that share one flat residual buffer and one collective per step.
 
-    def __init__(self, exchanges, gather_handle, grouped, passthrough=None, order=None):
-        self._exchanges = exchanges
-        self._gather = gather_handle
-        self._grouped = grouped
-        self._passthrough = passthrough  # (handle, count) of uncompressed tensors of a group
+    A bucket of one tensor uses that tensor's residual and memory as they are (no copies) and
+    sends the single-tensor payload; a bucket of several copies the gradients into one flat
+    float32 buffer, whose slices are the members' residuals in the compressor's registry."""
+
+    def __init__(self, compressor, names, numels):
+        self.compressor = compressor
+        self.names = list(names)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        c = compressor
+        self.layout = Layout(numels, c.threshold == "auto", c.block, c.blocks)
+        self._r = self._g = None
+        self._bound = None  # the registry generation the residual views belong to
+        self._lock = threading.Lock()
+        self._round = None  # the step whose members are arriving
+        self._flight = None  # the last step sent
+
+    def residual(self, tensors):
+        """This bucket's flat float32 residual, its members' residuals in the registry."""
+        reg = self.compressor.residuals
+        if self.layout.single:
+            return reg.get(self.names[0], tensors[0]).view(-1)
+        dev = tensors[0].device
+        if self._r is None or self._r.device != dev:
+            self._r = torch.zeros(self.layout.values, dtype=torch.float32, device=dev)
+            self._g = torch.zeros(self.layout.values, dtype=torch.float32, device=dev)
+            self._bound = None
+        if self._bound != reg.generation:
+            for name, t, s, n in zip(self.names, tensors, self.layout.starts, self.layout.numels):
+                reg.bind(name, self._r[s:s + n].view(t.shape))
+            self._bound = reg.generation
+        return self._r
+
+    def arrive(self, tensor, name, call):
+        """Takes one member's gradient; launches the bucket when the last one arrives. Returns
+        the member's handle."""
+        with self._lock:
+            rnd = self._round
+            if rnd is None:
+                rnd = self._round = _Round(self, call)
+            elif name in rnd.arrived:
+                raise RuntimeError("tensor %r was submitted twice before its bucket was sent: "
+                                   "wait for its handle before submitting it again" % name)
+            elif call != rnd.call:
+                raise ValueError("the tensors of one bucket must share op, scale factors and "
+                                 "process set (%r differs): pass bucket_bytes=0" % name)
+            rnd.arrived[name] = tensor
+            if len(rnd.arrived) == len(self.names):
+                self._round = None
+                rnd.flight = self.launch([rnd.arrived[n] for n in self.names], *call,
+                                         in_place=True)
+            return Handle(rnd, self.index[name])
+
+    def launch(self, tensors, op, prescale, postscale, process_set, in_place):
+        prev, self._flight = self._flight, None
+        if prev is not None:
+            prev.wait()  # its buffers are about to be reused; it was launched, so this ends
+        self._flight = Flight(self, tensors, op, prescale, postscale, process_set, in_place)
+        return self._flight
+
+    def flush(self, rnd):
+        """Sends the members of ``rnd`` that arrived, one by one: called when a handle of a
+        bucket whose members did not all arrive is waited on (the same program does the same on
+        every rank)."""
+        with self._lock:
+            if self._round is rnd:
+                self._round = None
+        missing = [n for n in self.names if n not in rnd.arrived]
+        warnings.warn("horovod-twobit: tensors %s of a bucket were never submitted; sending the "
+                      "other members one by one. Pass bucket_bytes=0 if the set of tensors "
+                      "changes between steps" % missing[:4])
+        c = self.compressor
+        return {n: c.single(n, t).launch([t], *rnd.call, in_place=True)
+                for n, t in rnd.arrived.items()}
+
+
+class _Round:
+    """One step of a bucket: the members that arrived, then its flight."""
+
+    def __init__(self, bucket, call):
+        self.bucket, self.call = bucket, call
+        self.arrived = {}
+        self.flight = None
+        self.singles = None
+
+    def poll(self):
+        return self.flight is not None and self.flight.poll()
+
+    def result(self, index):
+        if self.flight is not None:
+            return self.flight.result(index)
+        if self.singles is None:
+            self.singles = self.bucket.flush(self)
+        return self.singles[self.bucket.names[index]].result(0)
+
+
+class Flight:
+    """One bucket's step in flight: encoded, its allgather submitted; finished on first wait."""
+
+    def __init__(self, bucket, tensors, op, prescale, postscale, process_set, in_place):
+        layout, c = bucket.layout, bucket.compressor
+        check_call(op, bucket.names[0])
+        self.bucket, self.tensors, self.in_place = bucket, tensors, in_place
+        self.op, self.scale, self.nranks = op, float(prescale) * float(postscale), process_set.size()
+        self.r = bucket.residual(tensors)
+        if layout.single:
+            self.g = codec.flat(tensors[0])
+        else:
+            self.g = bucket._g
+            views = [self.g[s:s + n].view(t.shape) for t, s, n in
+                     zip(tensors, layout.starts, layout.numels)]
+            torch._foreach_copy_(views, [t.detach() for t in tensors])
+        payload = torch.empty(layout.payload_words, dtype=torch.int32, device=self.g.device)
+        self.t, self.v = codec.encode_payload(layout, self.r, self.g, c.threshold, c.auto_rule,
+                                              payload)
+        self.handle = mpi_ops.allgather_async(payload, name=bucket.names[0],
+                                              process_set=process_set)
+        self.results = None
+
+    def poll(self):
+        return self.results is not None or mpi_ops.poll(self.handle)
+
+    def wait(self):
+        if self.results is None:
+            gathered = mpi_ops.synchronize(self.handle)
+            self.results = self._finish(gathered)
+        return self.results
+
+    def result(self, index):
+        return self.wait()[index]
+
+    def _finish(self, gathered):
+        b, layout = self.bucket, self.bucket.layout
+        divisor = self.nranks if self.op == mpi_ops.Average else 1
+        if layout.single:
+            t = self.tensors[0]
+            own = self.in_place and t.is_contiguous() and self.g.dtype == t.dtype
+            out = None if own else torch.empty(layout.values, dtype=_out_dtype(t), device=t.device)
+            res = codec.finish_payload(layout, gathered, self.nranks, b.names, self.r, self.g,
+                                       self.t, self.v, divisor, self.scale, out=out)
+            if own:
+                return [t]
+            res = res.view(t.shape).to(t.dtype)
+            if self.in_place:
+                t.copy_(res)
+                return [t]
+            return [res]
+        flat = codec.finish_payload(layout, gathered, self.nranks, b.names, self.r, self.g,
+                                    self.t, self.v, divisor, self.scale)
+        views = [flat[s:s + n].view(t.shape) for t, s, n in
+                 zip(self.tensors, layout.starts, layout.numels)]
+        if self.in_place:
+            torch._foreach_copy_(self.tensors, views)
+            return self.tensors
+        return [v.to(t.dtype, copy=True) for v, t in zip(views, self.tensors)]
+
+
+def _out_dtype(t):
+    return t.dtype if t.dtype != torch.float64 else torch.float32
+
+
+class Handle:
+    """A callable handle: calling it (or ``hvd.synchronize(handle)``) waits for the collective,
+    finishes the bucket and returns the result: one tensor (``index`` given), or a list."""
+
+    def __init__(self, flight, index=None, passthrough=None, order=None):
+        self._flight = flight
+        self._index = index
+        self._passthrough = passthrough  # Horovod handle of a group's uncompressed tensors
         self._order = order  # for mixed groups: list of ("c", i) / ("p", i)
         self._result = None
         self._done = False
 
     def poll(self):
-        ok = self._gather is None or mpi_ops.poll(self._gather)
+        ok = self._flight is None or self._flight.poll()
         if self._passthrough is not None:
             ok = ok and mpi_ops.poll(self._passthrough)
         return ok
@@ -148,22 +230,13 @@ class Handle:
         if self._done:
             return self._result
         self._done = True
-        compressed = []
-        if self._gather is not None:
-            gathered = _wait(self._gather)
-            if not self._grouped:
-                gathered = [gathered]
-            compressed = [ex.finish(g) for ex, g in zip(self._exchanges, gathered)]
-        if not self._grouped:
-            self._result = compressed[0]
+        if self._index is not None:
+            self._result = self._flight.result(self._index)
             return self._result
-        plain = list(_wait(self._passthrough)) if self._passthrough is not None else []
+        compressed = self._flight.wait() if self._flight is not None else []
+        plain = list(mpi_ops.synchronize(self._passthrough)) if self._passthrough is not None else []
         if self._order is None:
-            self._result = compressed
+            self._result = list(compressed)
         else:
             self._result = [compressed[i] if kind == "c" else plain[i] for kind, i in self._order]
         return self._result
-
-
-def _wait(handle):
-    return mpi_ops.synchronize(handle) if not isinstance(handle, Handle) else handle()

@@ -7,7 +7,7 @@ import torch
 
 from horovod.torch.compression import Compressor
 
-from .. import state, wire
+from .. import layout, state, wire
 from ..registry import ResidualRegistry
 
 _MARK = "_horovod_twobit"
@@ -94,9 +94,15 @@ class TwoBitCompressor(Compressor):
         blocks: with ``threshold="auto"``, the most blocks per tensor (default 64); the block
             size doubles from ``block`` until the tensor fits. 1: one magnitude per tensor, a
             constant 20-byte header; 0: no limit, blocks of exactly ``block`` values.
+        bucket_bytes: ``hvd.DistributedOptimizer`` sends its gradients in buckets of up to this
+            many bytes (default 4 MiB): one encode, one allgather and one finish per bucket
+            instead of per tensor, with every tensor's result unchanged, bit for bit. Buckets
+            are cut once from the parameters' order, so they are the same on every rank. 0: every
+            tensor alone.
     """
 
-    def __init__(self, threshold=0.5, *, min_numel=0, rule=None, block=None, blocks=None):
+    def __init__(self, threshold=0.5, *, min_numel=0, rule=None, block=None, blocks=None,
+                 bucket_bytes=None):
         self.threshold = wire.validate_threshold(threshold)
         self.block, self.blocks = wire.validate_blocks(self.threshold, block, blocks)
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
@@ -106,6 +112,10 @@ class TwoBitCompressor(Compressor):
         self.residuals = ResidualRegistry(
             zeros_like=lambda g: torch.zeros(g.shape, dtype=torch.float32, device=g.device),
             numel=lambda r: r.numel(), to_state=_to_state, from_state=_from_state)
+        self.bucket_bytes = layout.validate_bucket_bytes(bucket_bytes)
+        self._buckets = {}  # tensor name -> its planned Bucket
+        self._singles = {}  # tensor name -> a Bucket of that tensor alone
+        self._lock = threading.Lock()
         self._warned = threading.Event()
         from . import _routing
         _routing.install()
@@ -113,6 +123,8 @@ class TwoBitCompressor(Compressor):
     def __repr__(self):
         extra = ", min_numel=%d" % self.min_numel if self.min_numel else ""
         extra += wire.auto_args_repr(self.threshold, self.auto_rule, self.block, self.blocks)
+        if self.bucket_bytes != layout.DEFAULT_BUCKET_BYTES:
+            extra += ", bucket_bytes=%d" % self.bucket_bytes
         return "TwoBitCompressor(threshold=%r%s)" % (self.threshold, extra)
 
     def compress(self, tensor):
@@ -131,6 +143,43 @@ class TwoBitCompressor(Compressor):
         ctx = _Pending(self)
         setattr(alias, _MARK, ctx)
         return alias, ctx
+
+    def plan(self, named_parameters):
+        """Assigns buckets to the gradients of ``named_parameters`` ((name, parameter) pairs in
+        the order their gradients are expected to become ready): the tensors this compressor
+        will compress, cut into runs of at most ``bucket_bytes`` on the same device. Called by
+        ``hvd.DistributedOptimizer``; a later plan replaces an earlier one's buckets."""
+        from .communicator import Bucket
+        entries = [(n, p.numel(), p.numel() * p.element_size(), p.device)
+                   for n, p in named_parameters
+                   if p.is_floating_point() and p.numel() >= self.min_numel]
+        sizes = {n: numel for n, numel, _, _ in entries}
+        with self._lock:
+            for names in layout.assign_buckets(entries, self.bucket_bytes):
+                b = Bucket(self, names, [sizes[n] for n in names])
+                self._buckets.update((n, b) for n in names)
+        return self
+
+    def bucket_of(self, name):
+        """The planned bucket of tensor ``name``, or None."""
+        return self._buckets.get(name)
+
+    def single(self, name, tensor):
+        """The bucket of ``tensor`` alone, under ``name``."""
+        from .communicator import Bucket
+        b = self._singles.get(name)
+        if b is None or b.layout.numels[0] != tensor.numel():
+            b = self._singles[name] = Bucket(self, [name], [tensor.numel()])
+        return b
+
+    def group_bucket(self, names, tensors):
+        """The bucket of a grouped allreduce's tensors (made once per group)."""
+        from .communicator import Bucket
+        key = tuple(names) + tuple(t.numel() for t in tensors)
+        b = self._singles.get(key)
+        if b is None:
+            b = self._singles[key] = Bucket(self, names, [t.numel() for t in tensors])
+        return b
 
     def decompress(self, tensor, ctx):
         """Returns the aggregated tensor (the router already decoded it into the gradient's dtype)."""

@@ -1,0 +1,160 @@
+"""Buckets in the torch codec: N ranks simulated in one process, against the NumPy reference.
+
+A bucket's payload goes through ``codec.encode_payload`` on every rank; the concatenation of the
+payloads (what the allgather returns) through ``codec.finish_payload``. Every member's result and
+residual must be the reference's for that tensor alone, bit for bit."""
+
+import numpy as np
+import pytest
+import torch
+
+from horovod_twobit import reference as ref
+from horovod_twobit import wire
+from horovod_twobit.layout import Layout, assign_buckets
+from horovod_twobit.torch import codec
+
+SIZES = [1, 15, 16, 17, 40, 480, 1000, 9216, 70003]
+
+
+def _grads(sizes, nranks, step, scale=0.3):
+    rng = np.random.default_rng(100 * step + 7)
+    return [[(rng.standard_normal(n) * scale * rng.choice([0.1, 0.7, 3.0], n)).astype(np.float32)
+             for n in sizes] for _ in range(nranks)]
+
+
+def _exchange(layout, rs, grads, threshold, rule="lsq", op_divisor=None, scale=1.0, flat=True):
+    """One step on every rank; returns each rank's flat result."""
+    nranks = len(rs)
+    payloads, levels, gs = [], [], []
+    for rank in range(nranks):
+        g = torch.zeros(layout.values)
+        for s, x in zip(layout.starts, grads[rank]):
+            g[s:s + x.size] = torch.from_numpy(x)
+        p = torch.empty(layout.payload_words, dtype=torch.int32)
+        levels.append(codec.encode_payload(layout, rs[rank], g, threshold, rule, p))
+        payloads.append(p)
+        gs.append(g)
+    gathered = torch.cat(payloads)
+    names = ["t%d" % i for i in range(layout.members)]
+    return [codec.finish_payload(layout, gathered, nranks, names, rs[rank], gs[rank],
+                                 *levels[rank], op_divisor or nranks, scale)
+            for rank in range(nranks)]
+
+
+@pytest.mark.parametrize("threshold,block,blocks", [(0.5, None, None), (0.05, None, None),
+                                                    ("auto", None, None), ("auto", None, 1),
+                                                    ("auto", 16, 4), ("auto", 32, 0)])
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_bucket_matches_each_tensor_alone(threshold, block, blocks, nranks):
+    auto = threshold == "auto"
+    layout = Layout(SIZES, auto, *wire.validate_blocks(threshold, block, blocks))
+    assert all(s % 16 == 0 for s in layout.starts) and layout.payload_words > layout.words
+    rs = [torch.zeros(layout.values) for _ in range(nranks)]
+    w = ref.Workers(nranks, threshold, block=block, blocks=blocks)
+    sent = 0
+    for step in range(3):
+        grads = _grads(SIZES, nranks, step)
+        outs = _exchange(layout, rs, grads, threshold)
+        for i, (n, s) in enumerate(zip(SIZES, layout.starts)):
+            want = w.allreduce("t%d" % i, [g[i] for g in grads])
+            sent += np.count_nonzero(want)
+            for rank in range(nranks):
+                np.testing.assert_array_equal(outs[rank][s:s + n].numpy(), want,
+                                              err_msg="rank %d tensor %d step %d" % (rank, i, step))
+                np.testing.assert_array_equal(rs[rank][s:s + n].numpy().view(np.int32),
+                                              w.residuals[rank]["t%d" % i].view(np.int32))
+        for rank in range(nranks):  # the gaps between members stay zero
+            mask = torch.ones(layout.values, dtype=torch.bool)
+            for n, s in zip(SIZES, layout.starts):
+                mask[s:s + n] = False
+            assert not rs[rank][mask].any() and not outs[rank][mask].any()
+    assert sent > 0
+
+
+def test_one_member_sends_the_single_tensor_payload():
+    """A bucket of one tensor is today's payload, byte for byte."""
+    for threshold, blocks in ((0.5, (None, None)), ("auto", (64, 64)), ("auto", (64, 1))):
+        layout = Layout([1000], threshold == "auto", *blocks)
+        g = torch.from_numpy(_grads([1000], 1, 0)[0][0])
+        p = torch.empty(layout.payload_words, dtype=torch.int32)
+        codec.encode_payload(layout, torch.zeros(1000), g, threshold, "lsq", p)
+        r = np.zeros(1000, np.float32)
+        block = wire.block_of(1000, *blocks) if threshold == "auto" else None
+        if threshold == "auto" and block:
+            t, v = ref.block_levels(g.numpy(), block)
+            want = wire.make_header(1000, 1.0, wire.FLAG_AUTO, block) + list(v.view(np.int32))
+            want += list(ref.encode(g.numpy(), r, ref.per_value(t, block, 1000),
+                                    ref.per_value(v, block, 1000)))
+        elif threshold == "auto":
+            t, v = ref.auto_levels(g.numpy())
+            want = wire.make_header(1000, v, wire.FLAG_AUTO) + list(ref.encode(g.numpy(), r, t, v))
+        else:
+            want = wire.make_header(1000, threshold) + list(ref.encode(g.numpy(), r, threshold))
+        assert p.tolist() == [int(x) for x in want]
+
+
+@pytest.mark.parametrize("threshold", [0.5, "auto"])
+def test_nonfinite_member_is_nan_everywhere_and_keeps_its_residual(threshold):
+    sizes = [40, 17, 300]
+    layout = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold))
+    rs = [torch.zeros(layout.values) for _ in range(2)]
+    w = ref.Workers(2, threshold)
+    for step in range(3):
+        grads = _grads(sizes, 2, step)
+        if step == 1:
+            grads[1][1][5] = np.nan  # rank 1, second member
+        before = [r.clone() for r in rs]
+        outs = _exchange(layout, rs, grads, threshold)
+        for i, (n, s) in enumerate(zip(sizes, layout.starts)):
+            want = w.allreduce("t%d" % i, [g[i] for g in grads])
+            for rank in range(2):
+                np.testing.assert_array_equal(outs[rank][s:s + n].numpy(), want)
+                if step == 1 and i == 1:
+                    assert torch.isnan(outs[rank][s:s + n]).all()
+                    assert torch.equal(rs[rank][s:s + n], before[rank][s:s + n])
+
+
+def test_mismatched_buckets_raise_the_same_error_on_every_rank():
+    a, b = Layout([40, 17], False), Layout([40, 18], False)
+    pa = torch.empty(a.payload_words, dtype=torch.int32)
+    pb = torch.empty(b.payload_words, dtype=torch.int32)
+    codec.encode_payload(a, torch.zeros(a.values), torch.ones(a.values), 0.5, "lsq", pa)
+    codec.encode_payload(b, torch.zeros(b.values), torch.ones(b.values), 0.5, "lsq", pb)
+    gathered = torch.cat([pa, pb])
+    msgs = set()
+    for lay in (a, b):
+        with pytest.raises(wire.PayloadMismatchError, match="bucketed different tensors") as e:
+            codec.finish_payload(lay, gathered, 2, ["x", "y"], torch.zeros(lay.values),
+                                 torch.ones(lay.values), 0.5, 0.5, 2, 1.0)
+        msgs.add(str(e.value))
+    assert len(msgs) == 1
+    # a rank that sends the first member alone meets a bucket: refused on both sides
+    single = Layout([40], False)
+    ps = torch.empty(single.payload_words, dtype=torch.int32)
+    codec.encode_payload(single, torch.zeros(40), torch.ones(40), 0.5, "lsq", ps)
+    for lay, r in ((a, torch.zeros(a.values)), (single, torch.zeros(40))):
+        with pytest.raises(wire.PayloadMismatchError, match="bucket"):
+            codec.finish_payload(lay, torch.cat([pa, ps]), 2, ["x", "y"], r, torch.ones_like(r),
+                                 0.5, 0.5, 2, 1.0)
+
+
+def test_assign_buckets_is_fixed_by_order_and_size():
+    entries = [("a", 10, 40, "cpu"), ("b", 10, 40, "cpu"), ("big", 1000, 4000, "cpu"),
+               ("c", 10, 40, "cpu"), ("d", 10, 40, "cpu"), ("e", 10, 40, "cuda"),
+               ("f", 10, 40, "cuda"), ("z", 0, 0, "cpu")]
+    assert assign_buckets(entries, 100) == [["a", "b"], ["c", "d"], ["e", "f"]]
+    assert assign_buckets(entries, 160) == [["a", "b", "c", "d"], ["e", "f"]]
+    assert assign_buckets(entries, 40) == []
+    assert assign_buckets(entries, 10000) == [["a", "b", "big", "c", "d"], ["e", "f"]]
+
+
+def test_layout_groups_equal_segments():
+    lay = Layout([9216, 9216, 32, 32, 100], True, 64, 64)
+    assert lay.blocks == [256, 256, None, None, 64]
+    assert lay.segments == 36 + 36 + 1 + 1 + 2
+    lengths = {length: len(ids) for length, ids, _ in lay.groups}
+    assert lengths == {256: 72, 32: 2, 64: 1, 36: 1}
+    starts = {length: start for length, _, start in lay.groups}
+    assert starts[256] == 0 and starts[32] == 18432  # runs of blocks: views, no gather
+    assert Layout([9216, 32, 9216], True, 64, 64).groups[-1][2] is None  # gathered
+    assert sum(lay.seg_words) == lay.words - 0  # every word belongs to one segment
