@@ -26,6 +26,7 @@ over the gradient). The eager path adds float32 and integer temporaries of the t
 
 import os
 import threading
+import types
 import warnings
 
 import torch
@@ -101,15 +102,20 @@ _BODIES = {"codes": _codes_body, "commit": _commit_body,
            "lsq": _lsq_body}
 
 
-def _fn(name):
-    """The compiled body, or the eager one when compilation is off or failed."""
+def _fn(name, key=None):
+    """The compiled body, or the eager one when compilation is off or failed. ``key`` separates
+    compilations (the number of ranks' rows: guards on list lengths are not reliable in Dynamo)."""
     body = _BODIES[name]
     if _disabled:
         return body
     with _lock:
-        fn = _compiled.get(name)
+        fn = _compiled.get((name, key))
         if fn is None:
-            fn = _compiled[name] = torch.compile(body, dynamic=True)
+            if key is not None:  # a code object of its own: Dynamo caches per code object
+                code = body.__code__.replace(co_name="%s_%s" % (body.__name__, key))
+                body = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__,
+                                          body.__closure__)
+            fn = _compiled[(name, key)] = torch.compile(body, dynamic=True)
     return fn
 
 
@@ -117,7 +123,7 @@ def _run(name, *args):
     global _disabled
     if not _disabled:
         try:
-            return _fn(name)(*args)
+            return _fn(name, len(args[0]) if isinstance(args[0], list) else None)(*args)
         except Exception as e:  # no compiler, unsupported device, ...: same bits, eagerly
             _disabled = True
             warnings.warn("horovod-twobit: torch.compile is unavailable (%s: %s); using the eager "
