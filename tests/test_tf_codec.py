@@ -369,3 +369,51 @@ def test_sum_scale_and_non_finite_through_both_paths(graph, path):
             np.testing.assert_array_equal(_bits(o.numpy()), _bits(want))
             np.testing.assert_array_equal(_bits(cs[rank].residuals.variable("s").numpy()),
                                           _bits(sim.residuals[rank]["s"]))
+
+
+@pytest.mark.parametrize("threshold,blocks", [(0.05, {}), ("auto", {}), ("auto", dict(block=16, blocks=4))])
+@pytest.mark.parametrize("graph", [False, True])
+def test_bucket_matches_each_tensor_alone_and_torch_bytes(path, threshold, blocks, graph):
+    """A bucket of tensors (BucketExchange): every member's result and residual are the
+    reference's for that tensor alone, and each rank's payload is the PyTorch binding's bytes."""
+    import torch
+    from horovod.tensorflow import mpi_ops
+    from horovod_twobit.layout import Layout
+    from horovod_twobit import wire
+    from horovod_twobit.tensorflow import TwoBitCompressor
+    from horovod_twobit.tensorflow.bucket import BucketExchange
+    from horovod_twobit.torch import codec as torch_codec
+    sizes, nranks, keys = [40, 17, 300, 1], 3, ["a", "b", "c", "d"]
+    comps = [TwoBitCompressor(threshold, **blocks) for _ in range(nranks)]
+
+    def step(*flat):
+        gs = [list(flat[r * len(sizes):(r + 1) * len(sizes)]) for r in range(nranks)]
+        exs = [BucketExchange(c, g, keys, mpi_ops.Average, 1.0, 1.0, nranks)
+               for c, g in zip(comps, gs)]
+        gathered = tf.numpy_function(lambda a: a, [tf.concat([ex.payload for ex in exs], 0)],
+                                     tf.int32, stateful=True)
+        return [ex.payload for ex in exs], [ex.finish(gathered) for ex in exs]
+
+    step = tf.function(step) if graph else step
+    w = ref.Workers(nranks, threshold, **blocks)
+    lay = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold, **blocks))
+    r_torch = [torch.zeros(lay.values) for _ in range(nranks)]
+    for s in range(3):
+        rng = np.random.default_rng(s)
+        grads = [[(rng.standard_normal(n) * 0.1).astype(np.float32) for n in sizes]
+                 for _ in range(nranks)]
+        payloads, outs = step(*[tf.constant(g) for gs in grads for g in gs])
+        for i, k in enumerate(keys):
+            want = w.allreduce(k, [g[i] for g in grads])
+            for rank in range(nranks):
+                np.testing.assert_array_equal(outs[rank][i].numpy(), want)
+                np.testing.assert_array_equal(comps[rank].residuals.variable(k).numpy(),
+                                              w.residuals[rank][k])
+        for rank in range(nranks):
+            g = torch.zeros(lay.values)
+            for st, x in zip(lay.starts, grads[rank]):
+                g[st:st + x.size] = torch.from_numpy(x)
+            p = torch.empty(lay.payload_words, dtype=torch.int32)
+            t, v = torch_codec.encode_payload(lay, r_torch[rank], g, threshold, "lsq", p)
+            torch_codec.kernels.commit(r_torch[rank], g, t, v)
+            assert payloads[rank].numpy().tolist() == p.tolist()

@@ -30,6 +30,7 @@ from horovod.common.util import split_list
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.util import refs_to_vars, vars_to_refs
 
+from .. import layout
 from . import communicator
 from .compressor import TwoBitCompressor
 
@@ -309,13 +310,20 @@ def _build_grads_fn(name, device_dense, device_sparse, compression, sparse_as_de
                         out[i] = r
                 return out
 
-            out = []
-            for i, g in enumerate(grads):
-                if g is None:
-                    out.append(None)
+            out = [None] * len(grads)
+            buckets = _buckets(compression, grads, vars)
+            for bi, idx in enumerate(buckets):
+                with _keyed([keys[i] for i in idx]):
+                    res = hvd_tf._grouped_allreduce_cond([grads[i] for i in idx], **kw,
+                                                         **generic(len(grads) + bi))
+                for i, r in zip(idx, res):
+                    out[i] = r
+            alone = set(range(len(grads))) - {i for idx in buckets for i in idx}
+            for i in sorted(alone):
+                if grads[i] is None:
                     continue
                 with _keyed([keys[i]]):
-                    out.append(hvd_tf._allreduce_cond(g, **kw, **generic(i)))
+                    out[i] = hvd_tf._allreduce_cond(grads[i], **kw, **generic(i))
             return out
 
     # Horovod wraps its function in tf.function when built eagerly (_make_subgraph); so do we.
@@ -338,6 +346,20 @@ def _build_grads_fn(name, device_dense, device_sparse, compression, sparse_as_de
             return fn(grads, vars, use_generic_names, keys)
 
     return run
+
+
+def _buckets(compressor, grads, vars):
+    """Buckets of gradient indices, cut from the variables' order (the same on every rank): the
+    floating-point gradients of static size, in runs of at most ``compressor.bucket_bytes``."""
+    if not compressor.bucket_bytes:
+        return []
+    entries = []
+    for i, (g, v) in enumerate(zip(grads, vars)):
+        if g is None or not _is_float(g) or g.shape.num_elements() is None:
+            continue
+        n = g.shape.num_elements()
+        entries.append((i, n, n * tf.as_dtype(g.dtype).size, getattr(g, "device", "") or ""))
+    return layout.assign_buckets(entries, compressor.bucket_bytes)
 
 
 def _make_allreduce_grads_fn(name, device_dense, device_sparse, compression, sparse_as_dense, op,

@@ -28,6 +28,7 @@ import horovod.tensorflow.mpi_ops as mpi_ops
 
 from .. import wire
 from . import codec, kernels
+from .bucket import BucketExchange
 
 
 class Exchange:
@@ -175,16 +176,14 @@ def translate(error):
 
 def run(compressor, tensors, keys, op, prescale, postscale, process_set, op_name,
         ignore_name_scope):
-    """Exchanges a list of dense floating-point tensors (one allgather, or one grouped allgather
-    for several). Returns the list of results."""
+    """Exchanges a list of dense floating-point tensors: one tensor alone, several as one bucket
+    (:mod:`horovod_twobit.tensorflow.bucket`); one allgather either way. Returns the results."""
     nranks = process_set.size()
-    exchanges = [Exchange(compressor, t, k, op, prescale, postscale, nranks)
-                 for t, k in zip(tensors, keys)]
-    payloads = [ex.payload for ex in exchanges]
-    if len(payloads) == 1:
-        gathered = [mpi_ops.allgather(payloads[0], name=op_name, process_set=process_set,
-                                      ignore_name_scope=ignore_name_scope)]
+    if len(tensors) == 1:
+        ex = Exchange(compressor, tensors[0], keys[0], op, prescale, postscale, nranks)
     else:
-        gathered = mpi_ops.grouped_allgather(payloads, name=op_name, process_set=process_set,
-                                             ignore_name_scope=ignore_name_scope)
-    return [ex.finish(g) for ex, g in zip(exchanges, gathered)]
+        ex = BucketExchange(compressor, tensors, keys, op, prescale, postscale, nranks)
+    gathered = mpi_ops.allgather(ex.payload, name=op_name, process_set=process_set,
+                                 ignore_name_scope=ignore_name_scope)
+    out = ex.finish(gathered)
+    return out if len(tensors) > 1 else [out]

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from horovod.tensorflow.compression import Compressor
 
-from .. import state, wire
+from .. import layout, state, wire
 
 
 class _Unrouted:
@@ -223,14 +223,21 @@ class TwoBitCompressor(Compressor, tf.Module):
             (default 64).
         blocks: with ``threshold="auto"``, the most blocks per tensor (default 64); 1: one
             magnitude per tensor; 0: no limit, blocks of exactly ``block`` values.
+        bucket_bytes: ``hvd.DistributedGradientTape`` and the ``DistributedOptimizer`` s send the
+            gradients in buckets of up to this many bytes (default 4 MiB): one encode, one
+            allgather and one finish per bucket instead of per tensor, every tensor's result
+            unchanged, bit for bit. 0: every tensor alone. ``hvd.grouped_allreduce`` sends its
+            group as one bucket.
     """
 
-    def __init__(self, threshold=0.5, name=None, *, rule=None, block=None, blocks=None):
+    def __init__(self, threshold=0.5, name=None, *, rule=None, block=None, blocks=None,
+                 bucket_bytes=None):
         tf.Module.__init__(self, name=name or "twobit_compressor")
         threshold = wire.validate_threshold(threshold)
         self.block, self.blocks = wire.validate_blocks(threshold, block, blocks)
         self._threshold = threshold
         self.auto_rule = wire.auto_rule(rule)
+        self.bucket_bytes = layout.validate_bucket_bytes(bucket_bytes)
         self.residuals = Residuals()
         self._plain = _Plain()  # the router's cache of eager exchange functions
         self._warned = threading.Event()
@@ -243,6 +250,8 @@ class TwoBitCompressor(Compressor, tf.Module):
 
     def __repr__(self):
         extra = wire.auto_args_repr(self._threshold, self.auto_rule, self.block, self.blocks)
+        if self.bucket_bytes != layout.DEFAULT_BUCKET_BYTES:
+            extra += ", bucket_bytes=%d" % self.bucket_bytes
         return "TwoBitCompressor(threshold=%r%s)" % (self._threshold, extra)
 
     def compress(self, tensor):

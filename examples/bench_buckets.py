@@ -1,0 +1,222 @@
+"""Step time on models with many small tensors, on localhost (the network is free): what TwoBit's
+per-call cost adds to a step, with and without buckets.
+
+Models (both frameworks):
+  cnn          a ResNet-style CNN: a stem and 8 residual blocks of two 3x3 convolutions with
+               BatchNorm, 32 channels, 16x16 inputs (53 parameter tensors in PyTorch)
+  transformer  a transformer encoder: 8 layers, d_model 64, 4 heads, LayerNorms and biases
+               (101 parameter tensors in PyTorch)
+Methods: none, fp16 (Horovod's Compression.fp16), twobit (TwoBitCompressor(0.01)) and auto
+(TwoBitCompressor("auto")), the last two bucketed (the default) and alone (bucket_bytes=0).
+
+    .venv/bin/python -m examples.bench_buckets --frameworks torch,tensorflow
+
+starts ``horovodrun -np 2`` per framework and prints a table of median step times (ms) with the
+ratio to no compression. Each rank uses one thread (``--threads``).
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+METHODS = ["none", "fp16", "twobit", "twobit/alone", "auto", "auto/alone"]
+
+
+def compression(method, hvd, twobit):
+    if method == "none":
+        return hvd.Compression.none
+    if method == "fp16":
+        return hvd.Compression.fp16
+    kind, _, alone = method.partition("/")
+    return twobit(0.01 if kind == "twobit" else "auto", bucket_bytes=0 if alone else None)
+
+
+def torch_model(name):
+    import torch
+    nn = torch.nn
+    torch.manual_seed(0)
+    if name == "cnn":
+        class Block(nn.Module):
+            def __init__(self, c):
+                super().__init__()
+                self.a, self.b = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+                self.c, self.d = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+            def forward(self, x):
+                return torch.relu(x + self.d(self.c(torch.relu(self.b(self.a(x))))))
+        net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32),
+                            nn.ReLU(), *[Block(32) for _ in range(8)], nn.AdaptiveAvgPool2d(1),
+                            nn.Flatten(), nn.Linear(32, 10))
+        return net, lambda b: torch.randn(b, 3, 16, 16), 10
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 64)
+            self.layers = nn.TransformerEncoder(layer, 8, enable_nested_tensor=False)
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x):
+            return self.head(self.layers(self.embed(x)).mean(1))
+    return Encoder(), lambda b: torch.randint(0, 100, (b, 32)), 10
+
+
+def run_torch(args):
+    import torch
+    import horovod.torch as hvd
+    from horovod_twobit.torch import TwoBitCompressor
+    torch.set_num_threads(args.threads)
+    hvd.init()
+    out = {}
+    for model_name in args.models.split(","):
+        for method in args.methods.split(","):
+            net, data, classes = torch_model(model_name)
+            hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(net.parameters(), lr=0.01),
+                named_parameters=net.named_parameters(),
+                compression=compression(method, hvd, TwoBitCompressor))
+            torch.manual_seed(hvd.rank())
+            x, y = data(args.batch), torch.randint(0, classes, (args.batch,))
+            times = []
+            for step in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+            n = len(list(net.parameters()))
+            out[(model_name, method)] = (_median_across(hvd, times[args.warmup:]), n)
+    return out, hvd.rank()
+
+
+def tf_model(name):
+    import tensorflow as tf
+    L = tf.keras.layers
+    tf.keras.utils.set_random_seed(0)
+    if name == "cnn":
+        inp = tf.keras.Input((16, 16, 3))
+        h = L.ReLU()(L.BatchNormalization()(L.Conv2D(32, 3, padding="same", use_bias=False)(inp)))
+        for _ in range(8):
+            a = L.ReLU()(L.BatchNormalization()(L.Conv2D(32, 3, padding="same", use_bias=False)(h)))
+            a = L.BatchNormalization()(L.Conv2D(32, 3, padding="same", use_bias=False)(a))
+            h = L.ReLU()(h + a)
+        out = L.Dense(10)(L.GlobalAveragePooling2D()(h))
+        return tf.keras.Model(inp, out), lambda b: tf.random.normal((b, 16, 16, 3))
+    inp = tf.keras.Input((32,), dtype="int32")
+    h = L.Embedding(100, 64)(inp)
+    for _ in range(7):
+        a = L.MultiHeadAttention(4, 16)(h, h)
+        h = L.LayerNormalization()(h + a)
+        f = L.Dense(64)(L.Dense(128, activation="relu")(h))
+        h = L.LayerNormalization()(h + f)
+    out = L.Dense(10)(L.GlobalAveragePooling1D()(h))
+    return tf.keras.Model(inp, out), lambda b: tf.random.uniform((b, 32), 0, 100, tf.int32)
+
+
+def run_tf(args):
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    from horovod_twobit.tensorflow import TwoBitCompressor
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    hvd.init()
+    out = {}
+    for model_name in args.models.split(","):
+        for method in args.methods.split(","):
+            net, data = tf_model(model_name)
+            opt = tf.keras.optimizers.SGD(0.01)
+            comp = compression(method, hvd, TwoBitCompressor)
+            tf.random.set_seed(hvd.rank())
+            x, y = data(args.batch), tf.random.uniform((args.batch,), 0, 10, tf.int32)
+            loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+            @tf.function
+            def step(x, y):
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y, net(x, training=True))
+                tape = hvd.DistributedGradientTape(tape, compression=comp)
+                grads = tape.gradient(loss, net.trainable_variables)
+                opt.apply_gradients(zip(grads, net.trainable_variables))
+                return loss
+
+            times = []
+            for i in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                step(x, y).numpy()
+                times.append(time.perf_counter() - t0)
+            out[(model_name, method)] = (_median_across(hvd, times[args.warmup:]),
+                                         len(net.trainable_variables))
+    return out, hvd.rank()
+
+
+def _median_across(hvd, times):
+    """The larger of the ranks' median step times (a step ends when the slowest rank's does)."""
+    import numpy as np
+    med = statistics.median(times)
+    return float(np.max(hvd.allgather_object(med)))
+
+
+def table(results, framework):
+    lines = ["| model (%s) | tensors | %s |" % (framework, " | ".join(METHODS)),
+             "|---|---|" + "---|" * len(METHODS)]
+    for model in sorted({m for m, _ in results}):
+        base = results.get((model, "none"), (None, 0))[0]
+        cells = []
+        for method in METHODS:
+            if (model, method) not in results:
+                cells.append("")
+                continue
+            t = results[(model, method)][0]
+            cells.append("%.1f (%.2fx)" % (1e3 * t, t / base) if base else "%.1f" % (1e3 * t))
+        n = results[next(k for k in results if k[0] == model)][1]
+        lines.append("| %s | %d | %s |" % (model, n, " | ".join(cells)))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--frameworks", default="torch,tensorflow")
+    ap.add_argument("--models", default="cnn,transformer")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--worker", choices=["torch", "tensorflow"], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        results, rank = (run_torch if args.worker == "torch" else run_tf)(args)
+        if rank == 0:
+            print(table(results, args.worker), flush=True)
+        return
+    print("machine: %s, %d cores, Python %s; %d ranks on localhost, %d thread(s) each; "
+          "median of %d steps after %d" % (platform.processor() or platform.machine(),
+                                           os.cpu_count(), platform.python_version(), args.np,
+                                           args.threads, args.steps, args.warmup), flush=True)
+    bindir = os.path.dirname(sys.executable)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS=str(args.threads),
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    for fw in args.frameworks.split(","):
+        cmd = [os.path.join(bindir, "horovodrun"), "-np", str(args.np), "-H",
+               "localhost:%d" % args.np, "--gloo", sys.executable, "-m", "examples.bench_buckets",
+               "--worker", fw] + [a for a in (argv if argv is not None else sys.argv[1:])]
+        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        rows = [line.split("]<stdout>:", 1)[-1] for line in res.stdout.splitlines()
+                if "<stdout>:|" in line]
+        if res.returncode != 0 or not rows:
+            sys.exit("%s benchmark failed:\n%s" % (fw, (res.stdout + res.stderr)[-4000:]))
+        print("\n".join(rows) + "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
