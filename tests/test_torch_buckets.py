@@ -22,15 +22,15 @@ def _grads(sizes, nranks, step, scale=0.3):
              for n in sizes] for _ in range(nranks)]
 
 
-def _exchange(layout, rs, grads, threshold, rule="lsq", op_divisor=None, scale=1.0, flat=True):
+def _exchange(layout, rs, grads, threshold, rule="lsq", op_divisor=None, scale=1.0):
     """One step on every rank; returns each rank's flat result."""
     nranks = len(rs)
     payloads, levels, gs = [], [], []
     for rank in range(nranks):
-        g = torch.zeros(layout.values)
+        g = torch.zeros(layout.values, device=rs[rank].device)
         for s, x in zip(layout.starts, grads[rank]):
             g[s:s + x.size] = torch.from_numpy(x)
-        p = torch.empty(layout.payload_words, dtype=torch.int32)
+        p = torch.empty(layout.payload_words, dtype=torch.int32, device=g.device)
         levels.append(codec.encode_payload(layout, rs[rank], g, threshold, rule, p))
         payloads.append(p)
         gs.append(g)
@@ -45,11 +45,13 @@ def _exchange(layout, rs, grads, threshold, rule="lsq", op_divisor=None, scale=1
                                                     ("auto", None, None), ("auto", None, 1),
                                                     ("auto", 16, 4), ("auto", 32, 0)])
 @pytest.mark.parametrize("nranks", [2, 3])
-def test_bucket_matches_each_tensor_alone(threshold, block, blocks, nranks):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_bucket_matches_each_tensor_alone(threshold, block, blocks, nranks, device):
     auto = threshold == "auto"
     layout = Layout(SIZES, auto, *wire.validate_blocks(threshold, block, blocks))
     assert all(s % 16 == 0 for s in layout.starts) and layout.payload_words > layout.words
-    rs = [torch.zeros(layout.values) for _ in range(nranks)]
+    rs = [torch.zeros(layout.values, device=device) for _ in range(nranks)]
     w = ref.Workers(nranks, threshold, block=block, blocks=blocks)
     sent = 0
     for step in range(3):
@@ -59,12 +61,12 @@ def test_bucket_matches_each_tensor_alone(threshold, block, blocks, nranks):
             want = w.allreduce("t%d" % i, [g[i] for g in grads])
             sent += np.count_nonzero(want)
             for rank in range(nranks):
-                np.testing.assert_array_equal(outs[rank][s:s + n].numpy(), want,
+                np.testing.assert_array_equal(outs[rank][s:s + n].cpu().numpy(), want,
                                               err_msg="rank %d tensor %d step %d" % (rank, i, step))
-                np.testing.assert_array_equal(rs[rank][s:s + n].numpy().view(np.int32),
+                np.testing.assert_array_equal(rs[rank][s:s + n].cpu().numpy().view(np.int32),
                                               w.residuals[rank]["t%d" % i].view(np.int32))
         for rank in range(nranks):  # the gaps between members stay zero
-            mask = torch.ones(layout.values, dtype=torch.bool)
+            mask = torch.ones(layout.values, dtype=torch.bool, device=device)
             for n, s in zip(SIZES, layout.starts):
                 mask[s:s + n] = False
             assert not rs[rank][mask].any() and not outs[rank][mask].any()

@@ -322,7 +322,7 @@ def _decoded(words, ts, shifts, divisor, scale):
         t = ts[i]
         v = torch.where(c == wire.CODE_POS, t, torch.where(c == wire.CODE_NEG, -t, torch.zeros_like(t)))
         out = v if out is None else out + v
-    return out / divisor * scale
+    return out if divisor is None else out / divisor * scale
 
 
 def _decode_body(words, ts, shifts, divisor, scale):
@@ -353,9 +353,20 @@ def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
     if numel == 0:
         return torch.empty(0, dtype=torch.float32, device=dev)
     nw = wire.num_words(numel)
+    divisor, scale = _t(divisor, dev), _t(scale, dev)
+    late = _late_division(dev, numel)
     out = _call("decode", numel, [w[:nw] for w in rows], [_head(_t(t, dev), nw) for t in thresholds],
-                _shifts(dev), _t(divisor, dev), _t(scale, dev))
+                _shifts(dev), None if late else divisor, scale)
+    if late:
+        out = out.div_(divisor).mul_(scale)
     return out[:numel]
+
+
+def _late_division(device, numel):
+    """Whether the division by the number of ranks must run outside the compiled body: Triton
+    divides float32 approximately (up to 2 ulp), so on a GPU the compiled pass sums and an eager
+    division, correctly rounded, follows."""
+    return device.type == "cuda" and numel >= COMPILE_MIN_NUMEL and not _disabled
 
 
 def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, magnitude=None):
@@ -376,9 +387,15 @@ def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, 
     v = t if magnitude is None else _t(magnitude, dev)
     if m:
         w = m // wire.VALUES_PER_WORD
-        _call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts], _shifts(dev),
-              divisor, scale, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w), _head(v, w),
-              None if out is None else out[:m].view(w, 16))
+        if _late_division(dev, m):  # the sum into a float32 buffer, then / divisor, * scale
+            tmp = torch.empty((w, 16), dtype=torch.float32, device=dev)
+            _call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts], _shifts(dev),
+                  None, scale, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w), _head(v, w), tmp)
+            dest[:m].view(w, 16).copy_(tmp.div_(divisor).mul_(scale))
+        else:
+            _call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts], _shifts(dev),
+                  divisor, scale, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w), _head(v, w),
+                  None if out is None else out[:m].view(w, 16))
     if m < n:  # the last, partial word: commit its values, decode it whole, keep what is real
         w = m // wire.VALUES_PER_WORD
         _commit_body(r[m:], g[m:], _at(t, w), _at(v, w))
