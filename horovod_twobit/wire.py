@@ -241,35 +241,36 @@ def check_bucket_headers(headers, names):
     """Raises :class:`PayloadMismatchError`, with the same message on every rank, unless every
     rank's bucket header (a :class:`BucketHeader`, or None for a payload that is not one) agrees
     on the format, the members and the threshold."""
-    what = "bucket of %d tensors (%s)" % (len(names), ", ".join(names[:3])
-                                           + (", ..." if len(names) > 3 else ""))
+    what = "tensor %r" % (names[0],)
+    more = " (it travels in one bucket with %s%s)" % (
+        ", ".join(names[1:4]), ", ..." if len(names) > 4 else "") if len(names) > 1 else ""
     if any(h is None for h in headers):
         raise PayloadMismatchError(
             "%s: ranks %s sent something other than a bucket payload: every rank must use "
             "TwoBitCompressor with the same bucket_bytes and the same model"
-            % (what, [i for i, h in enumerate(headers) if h is None]))
+            % (what, [i for i, h in enumerate(headers) if h is None]) + more)
     versions = [h.version for h in headers]
     if len(set(versions)) != 1 or versions[0] != FORMAT_VERSION:
         raise PayloadMismatchError(
             "%s: ranks use payload format versions %s, this rank understands %d: install the same "
-            "horovod-twobit version on every host" % (what, versions, FORMAT_VERSION))
+            "horovod-twobit version on every host" % (what, versions, FORMAT_VERSION) + more)
     layouts = [(h.members, h.numel, h.digest, h.length) for h in headers]
     if len(set(layouts)) != 1:
         raise PayloadMismatchError(
             "%s: ranks bucketed different tensors (members, values, digest, words by rank: %s): the "
             "tensors must have the same sizes on every rank, and every rank must use the same "
-            "bucket_bytes and block settings" % (what, layouts))
+            "bucket_bytes and block settings" % (what, layouts) + more)
     autos = [h.auto for h in headers]
     if len(set(autos)) != 1:
         raise PayloadMismatchError(
             "%s: some ranks use threshold='auto' and others a fixed threshold %s: construct "
-            "TwoBitCompressor with the same threshold on every rank" % (what, autos))
+            "TwoBitCompressor with the same threshold on every rank" % (what, autos) + more)
     if not autos[0]:
         ts = [h.threshold for h in headers]
         if len(set(float_bits(t) for t in ts)) != 1:
             raise PayloadMismatchError(
                 "%s: ranks use different thresholds %s (by rank): construct TwoBitCompressor "
-                "with the same threshold on every rank" % (what, ts))
+                "with the same threshold on every rank" % (what, ts) + more)
 
 
 def split_bucket(read, total, nranks, names):
@@ -292,8 +293,8 @@ def split_bucket(read, total, nranks, names):
     check_bucket_headers(headers, names)
     if off != total:
         raise PayloadMismatchError(
-            "bucket of %s: the gathered buffer holds %d words, the headers account for %d; ranks "
-            "sent payloads of different sizes" % (names[0], total, off))
+            "tensor %r and its bucket: the gathered buffer holds %d words, the headers account "
+            "for %d; ranks sent payloads of different sizes" % (names[0], total, off))
     return headers
 
 
