@@ -5,7 +5,7 @@ Models (both frameworks):
   cnn          a ResNet-style CNN: a stem and 8 residual blocks of two 3x3 convolutions with
                BatchNorm, 32 channels, 16x16 inputs (53 parameter tensors in PyTorch)
   transformer  a transformer encoder: 8 layers, d_model 64, 4 heads, LayerNorms and biases
-               (101 parameter tensors in PyTorch)
+               (99 parameter tensors in PyTorch)
 Methods: none, fp16 (Horovod's Compression.fp16), twobit (TwoBitCompressor(0.01)) and auto
 (TwoBitCompressor("auto")), the last two bucketed (the default) and alone (bucket_bytes=0).
 
@@ -142,7 +142,7 @@ def run_tf(args):
             def step(x, y):
                 with tf.GradientTape() as tape:
                     loss = loss_fn(y, net(x, training=True))
-                tape = hvd.DistributedGradientTape(tape, compression=comp)
+                tape = hvd.DistributedGradientTape(tape, compression=comp, sparse_as_dense=True)
                 grads = tape.gradient(loss, net.trainable_variables)
                 opt.apply_gradients(zip(grads, net.trainable_variables))
                 return loss

@@ -55,3 +55,19 @@ def test_codec_benchmark_prints_every_row(tmp_path):
     for r in rows:
         assert all(float(c) > 0 for c in r[4:7]), r
     assert md.read_text() in out.stdout
+
+
+def test_bucket_benchmark_prints_every_row():
+    """python -m examples.bench_buckets: a row per model with a figure for every method."""
+    import subprocess
+    import sys
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.bench_buckets", "--frameworks", "torch", "--models",
+         "cnn,transformer", "--methods", "none,twobit,twobit/alone", "--steps", "2", "--warmup", "1"],
+        cwd=os.path.dirname(EXAMPLES), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| cnn") or
+            line.startswith("| transformer")]
+    assert [r.split("|")[2].strip() for r in rows] == ["53", "99"], out.stdout
+    for r in rows:
+        assert r.count("x)") == 3, r
