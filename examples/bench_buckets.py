@@ -7,12 +7,18 @@ Models (both frameworks):
   transformer  a transformer encoder: 8 layers, d_model 64, 4 heads, LayerNorms and biases
                (99 parameter tensors in PyTorch)
 Methods: none, fp16 (Horovod's Compression.fp16), twobit (TwoBitCompressor(0.01)) and auto
-(TwoBitCompressor("auto")), the last two bucketed (the default) and alone (bucket_bytes=0).
+(TwoBitCompressor("auto")), the last two bucketed (the default) and alone (bucket_bytes=0);
+``twobit/SIZE`` and ``auto/SIZE`` (e.g. ``twobit/256K``, ``auto/16M``) set bucket_bytes.
 
     .venv/bin/python -m examples.bench_buckets --frameworks torch,tensorflow
 
 starts ``horovodrun -np 2`` per framework and prints a table of median step times (ms) with the
 ratio to no compression. Each rank uses one thread (``--threads``).
+
+Every method of a model is built first, then the methods take turns: ``--rounds`` rounds of
+``--steps`` timed steps each (after ``--warmup`` untimed steps per method), so that a change in
+the machine's load during the run falls on every method alike rather than on whichever ran then.
+The figure is the median over all timed steps of the slower rank.
 """
 
 import argparse
@@ -33,8 +39,38 @@ def compression(method, hvd, twobit):
         return hvd.Compression.none
     if method == "fp16":
         return hvd.Compression.fp16
-    kind, _, alone = method.partition("/")
-    return twobit(0.01 if kind == "twobit" else "auto", bucket_bytes=0 if alone else None)
+    kind, _, size = method.partition("/")
+    if kind not in ("twobit", "auto"):
+        raise ValueError("unknown method %r" % method)
+    return twobit(0.01 if kind == "twobit" else "auto", bucket_bytes=bucket_bytes(size))
+
+
+def bucket_bytes(size):
+    """None (the default) for "", 0 for "alone", else SIZE with an optional K or M suffix."""
+    if not size:
+        return None
+    if size == "alone":
+        return 0
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(size[-1].upper(), 1)
+    return int(size[:-1] if mult > 1 else size) * mult
+
+
+def interleaved(steps_of, args):
+    """Runs the methods' step functions in turns (see the module docstring); returns each
+    method's list of timed step durations."""
+    for fn in steps_of.values():
+        for _ in range(args.warmup):
+            fn()
+    times = {m: [] for m in steps_of}
+    order = list(steps_of)
+    for rnd in range(args.rounds):
+        for m in order[rnd % len(order):] + order[:rnd % len(order)]:
+            fn = steps_of[m]
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                fn()
+                times[m].append(time.perf_counter() - t0)
+    return times
 
 
 def torch_model(name):
@@ -76,24 +112,24 @@ def run_torch(args):
     hvd.init()
     out = {}
     for model_name in args.models.split(","):
+        steps_of, counts = {}, {}
         for method in args.methods.split(","):
             net, data, classes = torch_model(model_name)
             hvd.broadcast_parameters(net.state_dict(), root_rank=0)
             opt = hvd.DistributedOptimizer(
                 torch.optim.SGD(net.parameters(), lr=0.01),
-                named_parameters=net.named_parameters(),
+                named_parameters=[(method + "." + n, p) for n, p in net.named_parameters()],
                 compression=compression(method, hvd, TwoBitCompressor))
             torch.manual_seed(hvd.rank())
             x, y = data(args.batch), torch.randint(0, classes, (args.batch,))
-            times = []
-            for step in range(args.warmup + args.steps):
-                t0 = time.perf_counter()
+
+            def step(net=net, opt=opt, x=x, y=y):
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(net(x), y).backward()
                 opt.step()
-                times.append(time.perf_counter() - t0)
-            n = len(list(net.parameters()))
-            out[(model_name, method)] = (_median_across(hvd, times[args.warmup:]), n)
+            steps_of[method], counts[method] = step, len(list(net.parameters()))
+        for method, times in interleaved(steps_of, args).items():
+            out[(model_name, method)] = (_median_across(hvd, times), counts[method])
     return out, hvd.rank()
 
 
@@ -130,6 +166,7 @@ def run_tf(args):
     hvd.init()
     out = {}
     for model_name in args.models.split(","):
+        steps_of, counts = {}, {}
         for method in args.methods.split(","):
             net, data = tf_model(model_name)
             opt = tf.keras.optimizers.SGD(0.01)
@@ -147,13 +184,10 @@ def run_tf(args):
                 opt.apply_gradients(zip(grads, net.trainable_variables))
                 return loss
 
-            times = []
-            for i in range(args.warmup + args.steps):
-                t0 = time.perf_counter()
-                step(x, y).numpy()
-                times.append(time.perf_counter() - t0)
-            out[(model_name, method)] = (_median_across(hvd, times[args.warmup:]),
-                                         len(net.trainable_variables))
+            steps_of[method] = lambda step=step, x=x, y=y: step(x, y).numpy()
+            counts[method] = len(net.trainable_variables)
+        for method, times in interleaved(steps_of, args).items():
+            out[(model_name, method)] = (_median_across(hvd, times), counts[method])
     return out, hvd.rank()
 
 
@@ -165,12 +199,13 @@ def _median_across(hvd, times):
 
 
 def table(results, framework):
-    lines = ["| model (%s) | tensors | %s |" % (framework, " | ".join(METHODS)),
-             "|---|---|" + "---|" * len(METHODS)]
+    methods = list(dict.fromkeys(m for _, m in results))
+    lines = ["| model (%s) | tensors | %s |" % (framework, " | ".join(methods)),
+             "|---|---|" + "---|" * len(methods)]
     for model in sorted({m for m, _ in results}):
         base = results.get((model, "none"), (None, 0))[0]
         cells = []
-        for method in METHODS:
+        for method in methods:
             if (model, method) not in results:
                 cells.append("")
                 continue
@@ -186,8 +221,9 @@ def main(argv=None):
     ap.add_argument("--frameworks", default="torch,tensorflow")
     ap.add_argument("--models", default="cnn,transformer")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per method and round")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps per method first")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--np", type=int, default=2)
@@ -199,9 +235,10 @@ def main(argv=None):
             print(table(results, args.worker), flush=True)
         return
     print("machine: %s, %d cores, Python %s; %d ranks on localhost, %d thread(s) each; "
-          "median of %d steps after %d" % (platform.processor() or platform.machine(),
-                                           os.cpu_count(), platform.python_version(), args.np,
-                                           args.threads, args.steps, args.warmup), flush=True)
+          "median of %d rounds x %d steps per method, interleaved, after %d"
+          % (platform.processor() or platform.machine(), os.cpu_count(),
+             platform.python_version(), args.np, args.threads, args.rounds, args.steps,
+             args.warmup), flush=True)
     bindir = os.path.dirname(sys.executable)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS=str(args.threads),

@@ -63,7 +63,8 @@ def test_bucket_benchmark_prints_every_row():
     import sys
     out = subprocess.run(
         [sys.executable, "-m", "examples.bench_buckets", "--frameworks", "torch", "--models",
-         "cnn,transformer", "--methods", "none,twobit,twobit/alone", "--steps", "2", "--warmup", "1"],
+         "cnn,transformer", "--methods", "none,twobit,twobit/alone", "--rounds", "1", "--steps", "2",
+         "--warmup", "1"],
         cwd=os.path.dirname(EXAMPLES), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| cnn") or

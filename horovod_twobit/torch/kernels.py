@@ -90,11 +90,12 @@ def _ternary_errors_body(r, g, ts):
 
 
 def _lsq_body(r, g, ts):
-    """(count, sum) of |r + g| where |r + g| >= t, for each t in the float64 ``ts`` (as above)."""
-    a = (r + g.to(torch.float32)).abs().to(torch.float64)
-    return torch.stack([torch.stack([(a >= ts[..., i:i + 1]).to(torch.float64).sum(-1),
-                                     torch.where(a >= ts[..., i:i + 1], a, 0.0).sum(-1)], -1)
-                        for i in range(len(OPT_MULTIPLES))], -2)
+    """(count, sum) of |r + g| where |r + g| >= t, for each t in the float64 ``ts`` (as above).
+    All thresholds in one broadcast comparison: a handful of ops whatever their number (eagerly,
+    a small tensor costs a tenth of one comparison per threshold; compiled, one loop)."""
+    a = (r + g.to(torch.float32)).abs().to(torch.float64).unsqueeze(-2)  # (..., 1, n)
+    sent = a >= ts.unsqueeze(-1)  # (..., multiples, n)
+    return torch.stack([sent.to(torch.float64).sum(-1), torch.where(sent, a, 0.0).sum(-1)], -1)
 
 
 _BODIES = {"codes": _codes_body, "commit": _commit_body,
@@ -131,9 +132,15 @@ def _run(name, *args):
     return _BODIES[name](*args)
 
 
+# The lsq reduction does 18 sums per value: compiled, it beats the eager body from a few thousand
+# values (measured on a 2-core CPU: 0.9 against 3.2 ms at 39 K values), far below the other passes.
+_MIN_DIVISOR = {"lsq": 8}
+
+
 def _call(name, numel, *args):
-    """The compiled body for tensors of at least COMPILE_MIN_NUMEL values, else the eager one."""
-    if numel >= COMPILE_MIN_NUMEL and not _disabled:
+    """The compiled body for tensors of at least COMPILE_MIN_NUMEL values (a fraction of it for the
+    reductions in _MIN_DIVISOR), else the eager one."""
+    if numel >= COMPILE_MIN_NUMEL // _MIN_DIVISOR.get(name, 1) and not _disabled:
         return _run(name, *args)
     return _BODIES[name](*args)
 
