@@ -38,20 +38,38 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
 HOROVOD_METHODS = {"none": "Horovod, no compression", "fp16": "Horovod, Compression.fp16",
-                   "twobit": "Horovod, TwoBitCompressor"}
+                   "twobit": "Horovod, TwoBitCompressor",
+                   "auto": 'Horovod, TwoBitCompressor("auto")'}
 DDP_METHODS = {"ddp": "DDP, no hook", "ddp_fp16": "DDP, fp16_compress_hook",
                "ddp_quant": "DDP, quantization_pertensor_hook*", "ddp_powersgd": "DDP, powerSGD_hook**"}
 ALL_METHODS = dict(HOROVOD_METHODS, **DDP_METHODS)
 DEFAULT_METHODS = "none,fp16,twobit,ddp_fp16,ddp_quant,ddp_powersgd"
-THRESHOLDS = {"mlp": 1e-3, "cnn": 1e-2}  # about 3x the mean |gradient| of each model at step 0
+# about 3x the mean |gradient| of each model at step 0
+THRESHOLDS = {"mlp": 1e-3, "cnn": 1e-2, "resnet": 1e-2, "transformer": 1e-2}
+# models with many small tensors, from examples/bench_buckets.py (its names)
+MANY_TENSORS = {"resnet": "cnn", "transformer": "transformer"}
 
 
 # ---------------------------------------------------------------------- models and data
 def build(model, args):
+    """(net, batch): the model, and batch(rank, step, size) -> (x, y), a regression onto a fixed
+    random linear map of the inputs (a teacher), the same on every run."""
     import torch
     torch.manual_seed(0)
     nn = torch.nn
-    if model == "mlp":
+    if model in MANY_TENSORS:  # examples/bench_buckets.py's models, many small tensors
+        from examples.bench_buckets import torch_model
+        net, data, _ = torch_model(MANY_TENSORS[model])
+        if model == "transformer":  # token ids: the teacher reads their one-hot average
+            t = teacher((100,))
+
+            def batch(rank, step, size):
+                g = torch.Generator().manual_seed(100003 * rank + step)
+                x = torch.randint(0, 100, (size, 32), generator=g)
+                return x, torch.nn.functional.one_hot(x, 100).float().mean(1) @ t
+            return net, batch
+        shape = (3, 16, 16)
+    elif model == "mlp":
         h = args.mlp_hidden
         net = nn.Sequential(nn.Linear(args.mlp_in, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(),
                             nn.Linear(h, 10))
@@ -64,8 +82,14 @@ def build(model, args):
                             nn.Flatten(), nn.Linear(2 * c * 4 * 4, 10))
         shape = (3, 32, 32)
     else:
-        raise ValueError("unknown model %r (mlp, cnn)" % model)
-    return net, shape
+        raise ValueError("unknown model %r (%s)" % (model, ", ".join(THRESHOLDS)))
+    t = teacher(shape)
+
+    def batch(rank, step, size):
+        g = torch.Generator().manual_seed(100003 * rank + step)
+        x = torch.randn((size,) + shape, generator=g)
+        return x, x.reshape(size, -1) @ t
+    return net, batch
 
 
 def teacher(shape):
@@ -78,17 +102,10 @@ def teacher(shape):
     return torch.randn(n, 10, generator=g) / n ** 0.5
 
 
-def batch(shape, t, rank, step, size):
-    import torch
-    g = torch.Generator().manual_seed(100003 * rank + step)
-    x = torch.randn((size,) + shape, generator=g)
-    return x, x.reshape(size, -1) @ t
-
-
-def eval_loss(net, shape, t):
+def eval_loss(net, batch):
     import torch
     with torch.no_grad():
-        x, y = batch(shape, t, 999, 999, 256)
+        x, y = batch(999, 999, 256)
         return float(((net(x) - y) ** 2).mean())
 
 
@@ -133,8 +150,7 @@ def worker(args):
     from horovod_twobit.cluster import iface_bytes
 
     torch.set_num_threads(args.threads)
-    net, shape = build(args.model, args)
-    t = teacher(shape)
+    net, batch = build(args.model, args)
     threshold = args.threshold or THRESHOLDS[args.model]
 
     if args.worker == "horovod":
@@ -142,9 +158,9 @@ def worker(args):
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-        if args.method == "twobit":
+        if args.method in ("twobit", "auto"):
             from horovod_twobit.torch import TwoBitCompressor
-            compression = TwoBitCompressor(threshold)
+            compression = TwoBitCompressor(threshold if args.method == "twobit" else "auto")
         else:
             compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.method]
         opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=args.lr),
@@ -181,14 +197,14 @@ def worker(args):
             dist.barrier()
 
     def step(i):
-        x, y = batch(shape, t, rank, i, args.batch)
+        x, y = batch(rank, i, args.batch)
         opt.zero_grad()
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         opt.step()
         return float(loss.detach())
 
-    loss0 = eval_loss(net, shape, t)
+    loss0 = eval_loss(net, batch)
     for i in range(args.warmup):
         step(i)
     barrier()
@@ -202,7 +218,7 @@ def worker(args):
     rx1, tx1 = iface_bytes(args.iface)
     res = {"rank": rank, "size": size, "times": times, "train_losses": losses,
            "tx": tx1 - tx0, "rx": rx1 - rx0, "steps": args.steps,
-           "eval_loss_start": loss0, "eval_loss": eval_loss(net, shape, t),
+           "eval_loss_start": loss0, "eval_loss": eval_loss(net, batch),
            "params": sum(p.numel() for p in net.parameters()),
            "threshold": threshold if args.method == "twobit" else None}
     with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
@@ -290,7 +306,7 @@ def plot(results, path, hosts):
             ax = axes[i][j]
             rows = [r for r in ok if r["model"] == model and r["rate"] == rate]
             names = [r["method"] for r in rows]
-            colors = ["tab:red" if n == "twobit" else "tab:blue" if n in HOROVOD_METHODS
+            colors = ["tab:red" if n in ("twobit", "auto") else "tab:blue" if n in HOROVOD_METHODS
                       else "tab:gray" for n in names]
             bars = ax.bar(range(len(rows)), [r["median_step_s"] for r in rows], color=colors)
             for b_, r in zip(bars, rows):
@@ -397,7 +413,9 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--rates", default="100mbit,1gbit", help="comma-separated tc rates")
-    ap.add_argument("--models", default="mlp,cnn", help="mlp (>= 20M params), cnn (small)")
+    ap.add_argument("--models", default="mlp,cnn",
+                    help="mlp (>= 20M params), cnn (small), resnet (53 tensors, BatchNorm), "
+                         "transformer (99 tensors, LayerNorm)")
     ap.add_argument("--methods", default=DEFAULT_METHODS,
                     help="comma-separated, from: %s" % ", ".join(ALL_METHODS))
     ap.add_argument("--steps", type=int, default=10, help="timed steps")

@@ -116,15 +116,15 @@ def _row_levels(x, rule, k):
     v = t
     if rule in ("opt", "lsq"):
         ts = t[:, None] * tf.constant(OPT_MULTIPLES, tf.float64)
-        cuts = [ts[:, i:i + 1] for i in range(len(OPT_MULTIPLES))]
         if rule == "opt":
             errs = tf.stack([tf.reduce_sum(tf.where(a >= c, tf.square(a - c), a * a), -1)
-                             for c in cuts], -1)
+                             for c in (ts[:, i:i + 1] for i in range(len(OPT_MULTIPLES)))], -1)
             t = v = tf.gather(ts, tf.argmin(errs, -1), batch_dims=1)
         else:
-            zero = tf.zeros_like(a)
-            counts = tf.stack([tf.reduce_sum(tf.where(a >= c, zero + 1.0, zero), -1) for c in cuts], -1)
-            sums = tf.stack([tf.reduce_sum(tf.where(a >= c, a, zero), -1) for c in cuts], -1)
+            # every candidate in one broadcast comparison (rows, multiples, m): a handful of ops
+            sent = a[:, None, :] >= ts[:, :, None]
+            counts = tf.reduce_sum(tf.cast(sent, tf.float64), -1)
+            sums = tf.reduce_sum(tf.where(sent, a[:, None, :], tf.zeros_like(a[:, None, :])), -1)
             best = tf.argmax(tf.math.divide_no_nan(sums * sums, counts), -1)  # 0 where nothing is sent
             t = tf.gather(ts, best, batch_dims=1)
             c, s = tf.gather(counts, best, batch_dims=1), tf.gather(sums, best, batch_dims=1)
