@@ -6,7 +6,7 @@ value by value in float32, so its bits are MXNet's bits.
 
 import numpy as np
 
-from . import wire
+from . import scatter_wire, wire
 
 _SHIFTS = np.array([6, 4, 2, 0], dtype=np.uint8)
 
@@ -169,19 +169,44 @@ class Workers:
     ``blocks`` as :class:`horovod_twobit.torch.TwoBitCompressor` takes them).
     ``last_thresholds[name]``: the value each rank put in its header at the last step (the
     magnitude it sent; with blocks, the array of block magnitudes); ``last_levels[name]``: each
-    rank's (threshold, magnitude)."""
+    rank's (threshold, magnitude). ``exchange``: ``"allgather"`` (every rank decodes every
+    payload), ``"scatter"`` (see :func:`Workers.bucket`) or ``"auto"`` (per bucket, whichever
+    sends fewer bytes); ``owner_residuals[rank]``: each owner's residuals, keyed by bucket."""
 
-    def __init__(self, nranks, threshold, rule=DEFAULT_RULE, block=None, blocks=None):
+    def __init__(self, nranks, threshold, rule=DEFAULT_RULE, block=None, blocks=None,
+                 exchange="allgather"):
         self.nranks = nranks
         self.threshold = threshold
         self.rule = rule
         self.block, self.blocks = wire.validate_blocks(threshold, block, blocks)
+        self.exchange = scatter_wire.validate_exchange(exchange)
         self.residuals = [dict() for _ in range(nranks)]
+        self.owner_residuals = [dict() for _ in range(nranks)]
         self.last_thresholds = {}
         self.last_levels = {}
 
+    def _encode(self, rank, name, g):
+        """One rank's error-feedback step for one tensor: (codes, per-value magnitudes)."""
+        r = self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
+        block = wire.block_of(g.size, self.block, self.blocks)  # None for numeric thresholds
+        t = v = self.threshold
+        if block:  # "auto" only
+            t, v = block_levels(r + g, block, self.rule)
+        elif t == "auto":
+            t, v = auto_levels(r + g, self.rule)
+        self.last_levels.setdefault(name, [None] * self.nranks)[rank] = (t, v)
+        if block:
+            t, v = per_value(t, block, g.size), per_value(v, block, g.size)
+        codes = quantize(g, r, t, v)
+        return codes, np.broadcast_to(np.asarray(v, dtype=np.float32), (g.size,))
+
     def allreduce(self, name, grads, op="average", prescale=1.0, postscale=1.0):
         """``grads``: one array per rank. Returns the aggregated float32 array (same shape)."""
+        if self.exchange != "allgather":
+            return self.bucket([name], [[g] for g in grads], op, prescale, postscale)[0]
+        return self._allgather(name, grads, op, prescale, postscale)
+
+    def _allgather(self, name, grads, op, prescale, postscale):
         shape = np.shape(grads[0])
         flat = [np.asarray(g, dtype=np.float32).reshape(-1) for g in grads]
         if not all(np.isfinite(g).all() for g in flat):
@@ -189,20 +214,23 @@ class Workers:
             for rank, g in enumerate(flat):
                 self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
             return np.full(shape, np.nan, dtype=np.float32)
-        decoded, levels = [], []
-        block = wire.block_of(flat[0].size, self.block, self.blocks)  # None for numeric thresholds
+        self.last_levels[name] = [None] * self.nranks
+        decoded = []
         for rank, g in enumerate(flat):
-            r = self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
-            t = v = self.threshold
-            if block:  # "auto" only
-                t, v = block_levels(r + g, block, self.rule)
-            elif t == "auto":
-                t, v = auto_levels(r + g, self.rule)
-            levels.append((t, v))
-            if block:
-                t, v = per_value(t, block, g.size), per_value(v, block, g.size)
-            words = encode(g, r, t, v)
-            decoded.append(decode(words, g.size, v))
-        self.last_thresholds[name] = [v for _, v in levels]
-        self.last_levels[name] = levels
+            codes, v = self._encode(rank, name, g)
+            decoded.append(decode(pack(codes), g.size, v))
+        self.last_thresholds[name] = [v for _, v in self.last_levels[name]]
         return aggregate(decoded, op, prescale, postscale).reshape(shape)
+
+    def bucket(self, names, grads, op="average", prescale=1.0, postscale=1.0):
+        """One step of a bucket of tensors (``grads[rank][member]``); returns each member's
+        result. With the allgather exchange each member's result is what it gets alone; with the
+        scatter exchange see :func:`horovod_twobit.reference_scatter.exchange`."""
+        from . import reference_scatter
+        from .layout import Layout
+        numels = [np.size(g) for g in grads[0]]
+        layout = Layout(numels, self.threshold == "auto", self.block, self.blocks)
+        if scatter_wire.choose(self.exchange, layout, self.nranks) == "allgather":
+            return [self._allgather(n, [g[i] for g in grads], op, prescale, postscale)
+                    for i, n in enumerate(names)]
+        return reference_scatter.exchange(self, layout, names, grads, op, prescale, postscale)

@@ -260,6 +260,12 @@ def check_bucket_headers(headers, names):
             "%s: ranks bucketed different tensors (members, values, digest, words by rank: %s): the "
             "tensors must have the same sizes on every rank, and every rank must use the same "
             "bucket_bytes and block settings" % (what, layouts) + more)
+    check_thresholds(headers, what, more)
+
+
+def check_thresholds(headers, what, more=""):
+    """Raises :class:`PayloadMismatchError` unless every rank's header (anything with ``auto`` and
+    ``threshold``) agrees on the threshold: "auto" everywhere, or the same float32 number."""
     autos = [h.auto for h in headers]
     if len(set(autos)) != 1:
         raise PayloadMismatchError(
