@@ -22,11 +22,10 @@ def _grads(sizes, nranks, step, scale=0.3):
              for n in sizes] for _ in range(nranks)]
 
 
-def _exchange(layout, rs, grads, threshold, rule="lsq", op_divisor=None, scale=1.0):
-    """One step on every rank; returns each rank's flat result."""
-    nranks = len(rs)
+def encode_all(layout, rs, grads, threshold, rule="lsq"):
+    """Every rank's payload, (threshold, magnitude) and flat gradient."""
     payloads, levels, gs = [], [], []
-    for rank in range(nranks):
+    for rank in range(len(rs)):
         g = torch.zeros(layout.values, device=rs[rank].device)
         for s, x in zip(layout.starts, grads[rank]):
             g[s:s + x.size] = torch.from_numpy(x)
@@ -34,6 +33,13 @@ def _exchange(layout, rs, grads, threshold, rule="lsq", op_divisor=None, scale=1
         levels.append(codec.encode_payload(layout, rs[rank], g, threshold, rule, p))
         payloads.append(p)
         gs.append(g)
+    return payloads, levels, gs
+
+
+def _exchange(layout, rs, grads, threshold, rule="lsq", op_divisor=None, scale=1.0):
+    """One step on every rank; returns each rank's flat result."""
+    nranks = len(rs)
+    payloads, levels, gs = encode_all(layout, rs, grads, threshold, rule)
     gathered = torch.cat(payloads)
     names = ["t%d" % i for i in range(layout.members)]
     return [codec.finish_payload(layout, gathered, nranks, names, rs[rank], gs[rank],

@@ -1,0 +1,211 @@
+"""The codec of the scatter exchange (:mod:`horovod_twobit.scatter_wire`) in torch ops, on CPU or
+GPU tensors: the communicator reaches the kernels through these three steps.
+
+1. :func:`chunk_payloads`: cuts the payload :func:`codec.encode_payload` wrote (this rank's
+   encoding of the whole bucket, as the allgather exchange sends it) into N chunk payloads.
+2. :func:`owner_reduce`: after the ``alltoall``, checks every sender's chunk, sums the N payloads
+   of this rank's chunk in rank order and writes the phase-2 payload: count planes (numeric
+   threshold) or the sum re-encoded with the owner's residual ("auto").
+3. :func:`finish_reduced`: after the ``allgather``, commits this rank's error feedback and writes
+   the result, decoded from every owner's chunk.
+"""
+
+import torch
+
+from .. import scatter_wire as sw
+from .. import wire
+from . import kernels
+
+
+def _cached(chunks, key, make):
+    cache = chunks.__dict__.setdefault("_torch", {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _headers(chunks, device, threshold):
+    """Header words of every chunk, phase 1 and phase 2, made once per (device, threshold)."""
+    def make():
+        ints = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        return ([ints(chunks.header(c, threshold)) for c in range(chunks.nranks)],
+                [ints(chunks.header(c, threshold, reduced=True)) for c in range(chunks.nranks)])
+    return _cached(chunks, ("headers", device, threshold), make)
+
+
+def _piece_words(chunks, device):
+    """For each chunk, the words of each of its pieces (int64), to expand magnitudes per word."""
+    return _cached(chunks, ("pieces", device), lambda: [
+        torch.tensor([p[4] for p in chunks.pieces[c]], dtype=torch.int64, device=device)
+        for c in range(chunks.nranks)])
+
+
+def _parts(layout, payload):
+    """(member flag words, segment magnitudes as int32, packed words) of an allgather payload."""
+    if layout.single:
+        flags = (payload[1:2] & wire.FLAG_NONFINITE).clone()  # byte 0 of one word: member 0
+        mags = payload[4:5] if layout.auto and not layout.mag_words else payload[layout.head_words:layout.body]
+    else:
+        flags = payload[wire.BUCKET_HEADER_WORDS:layout.head_words]
+        mags = payload[layout.head_words:layout.body]
+    return flags, mags, payload[layout.body:]
+
+
+def chunk_payloads(chunks, payload, threshold):
+    """(the alltoall's send buffer, its splits as an int32 CPU tensor): chunk c of this rank's
+    ``payload`` with its header, for owner c."""
+    layout = chunks.layout
+    heads, _ = _headers(chunks, payload.device, threshold)
+    flags, mags, words = _parts(layout, payload)
+    nonfinite = payload[1:2] & wire.FLAG_NONFINITE
+    pieces = []
+    for c in range(chunks.nranks):
+        a, b = chunks.seg_ranges[c]
+        head = heads[c].clone()
+        head[1:2] |= nonfinite
+        pieces += [head, flags, mags[a:b] if layout.auto else mags[:0],
+                   words[chunks.word_starts[c]:chunks.word_starts[c + 1]]]
+    splits = torch.tensor([chunks.sent_words(c) for c in range(chunks.nranks)], dtype=torch.int32)
+    return torch.cat(pieces), splits
+
+
+def owner_reduce(chunks, received, splits, names, owner, threshold, rule, residual=None):
+    """Phase 2's payload of chunk ``owner`` and the bad member flags (a list of bools, the same on
+    every rank), from the ``alltoall``'s output ``received`` (one chunk payload per sender, of
+    ``splits`` words). Raises :class:`PayloadMismatchError` with the same message on every rank
+    when the senders disagree. With "auto", ``residual`` is this owner's float32 residual of the
+    chunk's values, updated in place except where a member held NaN or Inf."""
+    N, layout = chunks.nranks, chunks.layout
+    splits = [int(s) for s in splits]
+    offs = [sum(splits[:s]) for s in range(N)]
+    if all(s >= sw.HEADER_WORDS for s in splits):  # one host round trip for every header
+        heads = torch.stack([received[o:o + sw.HEADER_WORDS] for o in offs]).tolist()
+    else:
+        heads = [received[o:o + s].tolist() for o, s in zip(offs, splits)]
+    headers = [sw.parse_header(h) for h in heads]
+    sw.check_headers(headers, names, owner, N)
+    sw.check_lengths(splits, [chunks.sent_words(owner)] * N, names, "chunk")
+    fw, nm, wc = chunks.flag_words, chunks.mags(owner), chunks.words(owner)
+    bad = [False] * layout.members
+    for o, h in zip(offs, headers):
+        if h.nonfinite:
+            raw = received[o + sw.HEADER_WORDS:o + sw.HEADER_WORDS + fw].view(torch.uint8)
+            bad = [x or bool(y) for x, y in zip(bad, raw[:layout.members].tolist())]
+    body = [o + sw.HEADER_WORDS + fw for o in offs]
+    rows = [received[b + nm:b + nm + wc] for b in body]
+    _, reduced = _headers(chunks, received.device, threshold)
+    piece_words = _piece_words(chunks, received.device)
+    nvalues = chunks.values(owner)
+    if not layout.auto:
+        counts = kernels.decode_sum(rows, [1.0] * N, 16 * wc) if wc else received.new_empty(0)
+        return torch.cat([reduced[owner], pack_counts(counts.to(torch.int32) + N, chunks.bits)]), bad
+    mags = [received[b:b + nm].view(torch.float32) for b in body]
+    ts = [torch.repeat_interleave(m, piece_words[owner], output_size=wc) for m in mags]
+    S = kernels.decode_sum(rows, ts, nvalues) if wc else residual.new_empty(0)
+    t, v = piece_levels(chunks.pieces[owner], residual, S, rule)
+    t_w = torch.repeat_interleave(t, piece_words[owner], output_size=wc)
+    v_w = torch.repeat_interleave(v, piece_words[owner], output_size=wc)
+    words, _ = kernels.pack(residual, S, t_w)
+    keep = [(p[2], p[3]) for p in chunks.pieces[owner] if bad[p[1]]]
+    saved = [residual[a:a + n].clone() for a, n in keep]
+    kernels.commit(residual, S, t_w, v_w)
+    for (a, n), x in zip(keep, saved):
+        residual[a:a + n].copy_(x)
+    return torch.cat([reduced[owner], v.view(torch.int32), words]), bad
+
+
+def piece_levels(pieces, r, g, rule):
+    """Automatic (thresholds, magnitudes) of r + g over each piece (a block cut to the chunk):
+    pieces of equal length are reduced together, each exactly as :func:`kernels.auto_levels`
+    reduces one tensor."""
+    ts = torch.empty(len(pieces), dtype=torch.float32, device=g.device)
+    vs = torch.empty_like(ts)
+    by_len = {}
+    for i, p in enumerate(pieces):
+        by_len.setdefault(p[3], []).append(i)
+    for length, ids in by_len.items():
+        idx = torch.cat([torch.arange(pieces[i][2], pieces[i][2] + length, device=g.device)
+                         for i in ids])
+        t, v = kernels.auto_levels(r.index_select(0, idx).view(len(ids), length),
+                                   g.index_select(0, idx).view(len(ids), length), rule)
+        where = torch.tensor(ids, dtype=torch.int64, device=g.device)
+        ts.index_copy_(0, where, t)
+        vs.index_copy_(0, where, v)
+    return ts, vs
+
+
+_BIT = {}
+
+
+def _bits(device):
+    b = _BIT.get(device)
+    if b is None:  # weights of bits 0..31 of an int32 word, bit 31 negative (two's complement)
+        b = _BIT[device] = (torch.tensor([1 << k for k in range(31)] + [-(1 << 31)],
+                                         dtype=torch.int64, device=device),
+                            torch.arange(32, dtype=torch.int32, device=device))
+    return b
+
+
+def pack_counts(u, bits):
+    """Bit planes of the unsigned counts ``u`` (int32, 0..2N, 16 values a word): ``bits`` planes
+    of ceil(n / 32) int32 words, plane j holding bit j of value k at bit k % 32 of word k // 32."""
+    weights, _ = _bits(u.device)
+    u = torch.nn.functional.pad(u, (0, (-u.numel()) % 32)).view(-1, 32)
+    planes = [(((u >> j) & 1).to(torch.int64) * weights).sum(1).to(torch.int32) for j in range(bits)]
+    return torch.cat(planes) if planes else u.new_empty(0)
+
+
+def unpack_counts(words, nvalues, bits, nranks):
+    """The signed counts (float32) of the first ``nvalues`` values of :func:`pack_counts` words."""
+    _, shifts = _bits(words.device)
+    planes = words.view(bits, -1)
+    u = torch.zeros(planes.shape[1], 32, dtype=torch.int32, device=words.device)
+    for j in range(bits):
+        u |= ((planes[j].unsqueeze(1) >> shifts) & 1) << j
+    return (u.view(-1)[:nvalues] - nranks).to(torch.float32)
+
+
+def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out=None):
+    """After phase 2's allgather: commits this rank's error feedback (r <- r + g - q with the
+    (t, v) ``codec.encode_payload`` returned, members that held NaN or Inf left alone) and writes
+    the result (every owner's chunk, / ``divisor``, * ``scale``) into ``out``, or over ``g``.
+    Members in ``bad`` get NaN. Returns the flat result."""
+    layout, N = chunks.layout, chunks.nranks
+    lengths = [chunks.reduced_words(c) for c in range(N)]
+    sw.check_lengths([gathered.numel()], [sum(lengths)], names, "reduced")
+    dev = g.device
+    offs = [sum(lengths[:c]) for c in range(N)]
+    heads = [sw.parse_header(gathered[o:o + sw.HEADER_WORDS].tolist(), reduced=True) for o in offs]
+    if any(h is None or h.chunk != c for c, h in enumerate(heads)):
+        raise wire.PayloadMismatchError("tensor %r: owners sent malformed reduced chunks" % names[0])
+    piece_words = _piece_words(chunks, dev)
+    parts = []
+    thr = torch.tensor(heads[0].threshold or 1.0, dtype=torch.float32, device=dev)
+    div = torch.tensor(float(divisor), dtype=torch.float32, device=dev)
+    sc = torch.tensor(float(scale), dtype=torch.float32, device=dev)
+    for c, o in enumerate(offs):
+        body, n, wc = gathered[o + sw.HEADER_WORDS:o + lengths[c]], chunks.values(c), chunks.words(c)
+        if not n:
+            continue
+        if layout.auto:
+            k = len(chunks.pieces[c])
+            mags = torch.repeat_interleave(body[:k].view(torch.float32), piece_words[c], output_size=wc)
+            parts.append(kernels.decode_sum([body[k:]], [mags], n, div, sc))
+        else:
+            counts = unpack_counts(body, n, chunks.bits, N)
+            parts.append(counts * thr / div * sc)
+    result = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=dev)
+    spans = [(s, n) for s, n in zip(layout.starts, layout.numels)]
+    if not any(bad):
+        kernels.commit(r, g, t, v)
+    else:
+        for i, (s, n) in enumerate(spans):
+            if not bad[i]:
+                w0, nw = s // 16, wire.num_words(n)
+                cut = lambda x: x[w0:w0 + nw] if isinstance(x, torch.Tensor) and x.dim() else x  # noqa
+                kernels.commit(r[s:s + n], g[s:s + n], cut(t), cut(v))
+            else:
+                result[s:s + n] = float("nan")
+    dest = g if out is None else out
+    dest.copy_(result.to(dest.dtype))
+    return dest

@@ -1,0 +1,163 @@
+"""The scatter exchange in the torch codec: N ranks simulated in one process (the alltoall and the
+allgather are concatenations), against the NumPy reference, bit for bit."""
+
+import numpy as np
+import pytest
+import torch
+
+from horovod_twobit import reference as ref
+from horovod_twobit import reference_scatter as rs
+from horovod_twobit import scatter_wire as sw
+from horovod_twobit import wire
+from horovod_twobit.layout import Layout
+from horovod_twobit.torch import codec, scatter_codec
+from test_torch_buckets import _grads, encode_all
+
+SIZES = [1, 15, 16, 17, 40, 480, 1000, 9216, 70003]
+
+
+def exchange(layout, rs_, owners, grads, threshold, rule="lsq", divisor=None, scale=1.0):
+    """One step on every rank; returns each rank's flat result and the phase payloads."""
+    N = len(rs_)
+    chunks = sw.Chunks(layout, N)
+    names = ["t%d" % i for i in range(layout.members)]
+    payloads, levels, gs = encode_all(layout, rs_, grads, threshold, rule)
+    sends = [scatter_codec.chunk_payloads(chunks, p, threshold) for p in payloads]
+    reduced, bads = [], []
+    for owner in range(N):  # what the alltoall hands each owner
+        pieces = [send.split(splits.tolist())[owner] for send, splits in sends]
+        red, bad = scatter_codec.owner_reduce(chunks, torch.cat(pieces), [p.numel() for p in pieces],
+                                              names, owner, threshold, rule, owners[owner])
+        assert red.numel() == chunks.reduced_words(owner)
+        reduced.append(red)
+        bads.append(bad)
+    assert all(b == bads[0] for b in bads)
+    gathered = torch.cat(reduced)
+    outs = [scatter_codec.finish_reduced(chunks, gathered, names, rs_[rank], gs[rank],
+                                         *levels[rank], bads[rank], divisor or N, scale,
+                                         out=torch.empty(layout.values, device=gs[rank].device))
+            for rank in range(N)]
+    return outs, sends, reduced
+
+
+@pytest.mark.parametrize("threshold,block,blocks", [(0.5, None, None), (0.05, None, None),
+                                                    ("auto", None, None), ("auto", 16, 4)])
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+def test_bucket_matches_reference(threshold, block, blocks, nranks):
+    auto = threshold == "auto"
+    layout = Layout(SIZES, auto, *wire.validate_blocks(threshold, block, blocks))
+    chunks = sw.Chunks(layout, nranks)
+    rs_ = [torch.zeros(layout.values) for _ in range(nranks)]
+    owners = [torch.zeros(chunks.values(c)) if auto else None for c in range(nranks)]
+    w = ref.Workers(nranks, threshold, block=block, blocks=blocks, exchange="scatter")
+    names = ["t%d" % i for i in range(len(SIZES))]
+    sent = 0
+    for step in range(3):
+        grads = _grads(SIZES, nranks, step)
+        outs, _, _ = exchange(layout, rs_, owners, grads, threshold)
+        want = w.bucket(names, grads)
+        for i, (n, s) in enumerate(zip(SIZES, layout.starts)):
+            sent += np.count_nonzero(want[i])
+            for rank in range(nranks):
+                np.testing.assert_array_equal(outs[rank][s:s + n].numpy(), want[i],
+                                              err_msg="rank %d tensor %d step %d" % (rank, i, step))
+                np.testing.assert_array_equal(rs_[rank][s:s + n].numpy(), w.residuals[rank][names[i]])
+        if auto:
+            for c in range(nranks):
+                np.testing.assert_array_equal(owners[c].numpy(),
+                                              w.owner_residuals[c][sw.owner_key(names)])
+    assert sent > 0
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+@pytest.mark.parametrize("n", [0, 1, 17, 33, 16 * 3 + 5, 1000])
+@pytest.mark.parametrize("threshold", [0.5, "auto"])
+def test_single_tensor_of_odd_size(nranks, n, threshold):
+    layout = Layout([n], threshold == "auto", *wire.validate_blocks(threshold))
+    chunks = sw.Chunks(layout, nranks)
+    rs_ = [torch.zeros(n) for _ in range(nranks)]
+    owners = [torch.zeros(chunks.values(c)) for c in range(nranks)]
+    w = ref.Workers(nranks, threshold, exchange="scatter")
+    for step in range(3):
+        grads = _grads([n], nranks, step)
+        outs, _, _ = exchange(layout, rs_, owners, grads, threshold)
+        want = w.allreduce("t0", [g[0] for g in grads])
+        for rank in range(nranks):
+            np.testing.assert_array_equal(outs[rank].numpy(), want)
+
+
+def test_payload_bytes():
+    """Phase 1 chunks are slices of the allgather payload with their header; phase 2 carries the
+    reference's count planes."""
+    nranks, sizes = 3, [40, 17, 300]
+    layout = Layout(sizes, False)
+    chunks = sw.Chunks(layout, nranks)
+    grads = _grads(sizes, nranks, 0, scale=1.0)
+    _, sends, reduced = exchange(layout, [torch.zeros(layout.values) for _ in range(3)],
+                                 [None] * 3, grads, 0.5)
+    counts = np.zeros(layout.values, np.int64)
+    for rank in range(nranks):
+        send, splits = sends[rank]
+        assert splits.tolist() == [chunks.sent_words(c) for c in range(nranks)]
+        for c, piece in enumerate(send.split(splits.tolist())):
+            assert piece[:sw.HEADER_WORDS].tolist() == chunks.header(c, 0.5)
+        r = np.zeros(layout.values, np.float32)
+        for i, (s, n) in enumerate(zip(layout.starts, sizes)):
+            codes = ref.quantize(grads[rank][i], r[s:s + n], 0.5)
+            counts[s:s + n] += rs.signs(codes)
+    for c in range(nranks):
+        a, n = chunks.value_start(c), 16 * chunks.words(c)
+        assert reduced[c][:sw.HEADER_WORDS].tolist() == chunks.header(c, 0.5, reduced=True)
+        assert reduced[c][sw.HEADER_WORDS:].tolist() == rs.pack_counts(counts[a:a + n], nranks).tolist()
+
+
+@pytest.mark.parametrize("threshold", [0.5, "auto"])
+def test_nonfinite_member_is_nan_everywhere_and_keeps_every_residual(threshold):
+    sizes, nranks = [40, 17, 300], 3
+    layout = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold))
+    chunks = sw.Chunks(layout, nranks)
+    rs_ = [torch.zeros(layout.values) for _ in range(nranks)]
+    owners = [torch.zeros(chunks.values(c)) for c in range(nranks)]
+    w = ref.Workers(nranks, threshold, exchange="scatter")
+    for step in range(3):
+        grads = _grads(sizes, nranks, step)
+        if step == 1:
+            grads[1][2][5] = np.nan
+        outs, _, _ = exchange(layout, rs_, owners, grads, threshold)
+        want = w.bucket(["t0", "t1", "t2"], grads)
+        for i, (n, s) in enumerate(zip(sizes, layout.starts)):
+            for rank in range(nranks):
+                np.testing.assert_array_equal(outs[rank][s:s + n].numpy(), want[i])
+                np.testing.assert_array_equal(rs_[rank][s:s + n].numpy(), w.residuals[rank]["t%d" % i])
+        if threshold == "auto":
+            for c in range(nranks):
+                np.testing.assert_array_equal(owners[c].numpy(),
+                                              w.owner_residuals[c][sw.owner_key(["t0", "t1", "t2"])])
+        assert np.isnan(want[2]).all() == (step == 1)
+
+
+def test_mismatch_raises_the_same_error_for_every_owner():
+    a, b = Layout([33], False), Layout([34], False)
+    msgs = set()
+    sends = []
+    for lay in (a, b):
+        p = torch.empty(lay.payload_words, dtype=torch.int32)
+        codec.encode_payload(lay, torch.zeros(lay.values), torch.ones(lay.values), 0.5, "lsq", p)
+        sends.append(scatter_codec.chunk_payloads(sw.Chunks(lay, 2), p, 0.5))
+    for owner, lay in enumerate((a, b)):
+        pieces = [send.split(splits.tolist())[owner] for send, splits in sends]
+        with pytest.raises(wire.PayloadMismatchError, match=r"different sizes \[33, 34\]") as e:
+            scatter_codec.owner_reduce(sw.Chunks(lay, 2), torch.cat(pieces),
+                                       [p.numel() for p in pieces], ["x"], owner, 0.5, "lsq")
+        msgs.add(str(e.value))
+    assert len(msgs) == 1
+
+
+def test_count_planes_match_reference():
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 3, 4, 8, 100):
+        c = rng.integers(-n, n + 1, 16 * 13)
+        words = scatter_codec.pack_counts(torch.from_numpy(c + n).to(torch.int32), sw.count_bits(n))
+        assert words.tolist() == rs.pack_counts(c, n).tolist()
+        back = scatter_codec.unpack_counts(words, c.size, sw.count_bits(n), n)
+        np.testing.assert_array_equal(back.numpy(), c.astype(np.float32))
