@@ -5,11 +5,15 @@ import warnings
 from . import wire
 
 
-def make(threshold, rank, size, residuals):
+def make(threshold, rank, size, residuals, owner_residuals=None):
     """The ``state_dict()`` of a compressor: this rank's residuals with the threshold, rank and
-    number of ranks they belong to."""
-    return {"format_version": wire.FORMAT_VERSION, "threshold": threshold,
-            "rank": rank, "size": size, "residuals": residuals}
+    number of ranks they belong to; with the scatter exchange, also the residuals it keeps as
+    the owner of chunks (keyed by bucket)."""
+    out = {"format_version": wire.FORMAT_VERSION, "threshold": threshold,
+           "rank": rank, "size": size, "residuals": residuals}
+    if owner_residuals:
+        out["owner_residuals"] = owner_residuals
+    return out
 
 
 def residuals_to_load(state, threshold, rank, size):

@@ -13,6 +13,7 @@ import horovod.torch as hvd_torch
 import horovod.torch.mpi_ops as mpi_ops
 import horovod.torch.optimizer as hvd_optimizer
 
+from . import progress
 from .communicator import Handle, check_call
 from .compressor import TwoBitCompressor, pending_of
 
@@ -158,6 +159,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=None, op=Non
 def synchronize(handle):
     if isinstance(handle, Handle):
         return handle()
+    progress.wait(lambda: _orig("poll")(handle))  # scatter steps in flight still get phase 2
     return _orig("synchronize")(handle)
 
 

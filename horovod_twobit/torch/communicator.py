@@ -19,9 +19,9 @@ import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
-from .. import wire
+from .. import scatter_wire, wire
 from ..layout import Layout
-from . import codec
+from . import codec, progress
 
 _split = codec.split_single  # the single-tensor payload parser (tests use it by this name)
 
@@ -63,6 +63,7 @@ class Bucket:
         self._lock = threading.Lock()
         self._round = None  # the step whose members are arriving
         self._flight = None  # the last step sent
+        self._exchanges = {}  # number of ranks -> (exchange, its Chunks or None)
 
     def residual(self, tensors):
         """This bucket's flat float32 residual, its members' residuals in the registry."""
@@ -104,8 +105,21 @@ class Bucket:
         prev, self._flight = self._flight, None
         if prev is not None:
             prev.wait()  # its buffers are about to be reused; it was launched, so this ends
-        self._flight = Flight(self, tensors, op, prescale, postscale, process_set, in_place)
+        cls = Flight
+        if self.exchange(process_set.size())[0] == "scatter":
+            from .scatter_flight import ScatterFlight as cls
+        self._flight = cls(self, tensors, op, prescale, postscale, process_set, in_place)
         return self._flight
+
+    def exchange(self, nranks):
+        """("allgather", None) or ("scatter", the bucket's Chunks) for ``nranks`` ranks: the
+        compressor's ``exchange``, "auto" decided from the layout and N alone."""
+        got = self._exchanges.get(nranks)
+        if got is None:
+            name = scatter_wire.choose(self.compressor.exchange, self.layout, nranks)
+            chunks = scatter_wire.Chunks(self.layout, nranks) if name == "scatter" else None
+            got = self._exchanges[nranks] = (name, chunks)
+        return got
 
     def flush(self, rnd):
         """Sends the members of ``rnd`` that arrived, one by one: called when a handle of a
@@ -144,7 +158,8 @@ class _Round:
 
 
 class Flight:
-    """One bucket's step in flight: encoded, its allgather submitted; finished on first wait."""
+    """One bucket's step in flight: encoded, its allgather submitted; finished on first wait.
+    (:class:`~horovod_twobit.torch.scatter_flight.ScatterFlight` replaces the collective.)"""
 
     def __init__(self, bucket, tensors, op, prescale, postscale, process_set, in_place):
         layout, c = bucket.layout, bucket.compressor
@@ -162,31 +177,43 @@ class Flight:
         payload = torch.empty(layout.payload_words, dtype=torch.int32, device=self.g.device)
         self.t, self.v = codec.encode_payload(layout, self.r, self.g, c.threshold, c.auto_rule,
                                               payload)
-        self.handle = mpi_ops.allgather_async(payload, name=bucket.names[0],
-                                              process_set=process_set)
+        self.process_set = process_set
         self.results = None
+        self._submit(payload)
+
+    def _submit(self, payload):
+        self.handle = mpi_ops.allgather_async(payload, name=self.bucket.names[0],
+                                              process_set=self.process_set)
 
     def poll(self):
         return self.results is not None or mpi_ops.poll(self.handle)
 
     def wait(self):
         if self.results is None:
-            gathered = mpi_ops.synchronize(self.handle)
-            self.results = self._finish(gathered)
+            self.results = self._finish(self._collect())
         return self.results
+
+    def _collect(self):
+        progress.wait(lambda: mpi_ops.poll(self.handle))
+        return mpi_ops.synchronize(self.handle)
+
+    def _decode(self, gathered, divisor, out=None):
+        """The flat result (into ``out``, or over the flat gradient) and the residual commit."""
+        b = self.bucket
+        return codec.finish_payload(b.layout, gathered, self.nranks, b.names, self.r, self.g,
+                                    self.t, self.v, divisor, self.scale, out=out)
 
     def result(self, index):
         return self.wait()[index]
 
     def _finish(self, gathered):
-        b, layout = self.bucket, self.bucket.layout
+        layout = self.bucket.layout
         divisor = self.nranks if self.op == mpi_ops.Average else 1
         if layout.single:
             t = self.tensors[0]
             own = self.in_place and t.is_contiguous() and self.g.dtype == t.dtype
             out = None if own else torch.empty(layout.values, dtype=_out_dtype(t), device=t.device)
-            res = codec.finish_payload(layout, gathered, self.nranks, b.names, self.r, self.g,
-                                       self.t, self.v, divisor, self.scale, out=out)
+            res = self._decode(gathered, divisor, out)
             if own:
                 return [t]
             res = res.view(t.shape).to(t.dtype)
@@ -194,8 +221,7 @@ class Flight:
                 t.copy_(res)
                 return [t]
             return [res]
-        flat = codec.finish_payload(layout, gathered, self.nranks, b.names, self.r, self.g,
-                                    self.t, self.v, divisor, self.scale)
+        flat = self._decode(gathered, divisor)
         views = [flat[s:s + n].view(t.shape) for t, s, n in
                  zip(self.tensors, layout.starts, layout.numels)]
         if self.in_place:

@@ -7,7 +7,7 @@ import torch
 
 from horovod.torch.compression import Compressor
 
-from .. import layout, state, wire
+from .. import layout, scatter_wire, state, wire
 from ..registry import ResidualRegistry
 
 _MARK = "_horovod_twobit"
@@ -99,10 +99,18 @@ class TwoBitCompressor(Compressor):
             instead of per tensor, with every tensor's result unchanged, bit for bit. Buckets
             are cut once from the parameters' order, so they are the same on every rank. 0: every
             tensor alone.
+        exchange: how ranks combine their payloads. ``"allgather"`` (default): every rank
+            receives every rank's payload, (N - 1) * n / 4 bytes per step for n values, growing
+            with N. ``"scatter"``: each bucket is cut into N chunks; each rank receives the
+            2-bit chunks of the one it owns (Horovod's alltoall), sums them, and sends the sum
+            to all (allgather): the counts in ceil(log2(2N + 1)) bits per value with a numeric
+            threshold (lossless), or re-encoded in 2 bits with its own residual for "auto"; about
+            (N - 1) / N * (2 + b) / 8 bytes per value, flat in N. ``"auto"``: per bucket,
+            whichever sends fewer bytes for its size and N. Every rank must use the same.
     """
 
     def __init__(self, threshold=0.5, *, min_numel=0, rule=None, block=None, blocks=None,
-                 bucket_bytes=None):
+                 bucket_bytes=None, exchange="allgather"):
         self.threshold = wire.validate_threshold(threshold)
         self.block, self.blocks = wire.validate_blocks(self.threshold, block, blocks)
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
@@ -113,6 +121,13 @@ class TwoBitCompressor(Compressor):
             zeros_like=lambda g: torch.zeros(g.shape, dtype=torch.float32, device=g.device),
             numel=lambda r: r.numel(), to_state=_to_state, from_state=_from_state)
         self.bucket_bytes = layout.validate_bucket_bytes(bucket_bytes)
+        self.exchange = scatter_wire.validate_exchange(exchange)
+        # the residuals this rank keeps as owner of scatter chunks ("auto" only), keyed by
+        # bucket, and the (rank, size) they belong to
+        self.owners = ResidualRegistry(
+            zeros_like=lambda g: torch.zeros(g.shape, dtype=torch.float32, device=g.device),
+            numel=lambda r: r.numel(), to_state=_to_state, from_state=_from_state)
+        self._owner_of = None
         self._buckets = {}  # tensor name -> its planned Bucket
         self._singles = {}  # tensor name -> a Bucket of that tensor alone
         self._lock = threading.Lock()
@@ -125,6 +140,8 @@ class TwoBitCompressor(Compressor):
         extra += wire.auto_args_repr(self.threshold, self.auto_rule, self.block, self.blocks)
         if self.bucket_bytes != layout.DEFAULT_BUCKET_BYTES:
             extra += ", bucket_bytes=%d" % self.bucket_bytes
+        if self.exchange != "allgather":
+            extra += ", exchange=%r" % self.exchange
         return "TwoBitCompressor(threshold=%r%s)" % (self.threshold, extra)
 
     def compress(self, tensor):
@@ -190,10 +207,25 @@ class TwoBitCompressor(Compressor):
                           "horovod_twobit.torch.install() if you uninstalled the router.")
         return tensor
 
+    def owner_residual(self, key, numel, device, rank, size):
+        """This rank's residual as owner of a scatter chunk of bucket ``key`` (float32, ``numel``
+        values). Owners' residuals belong to a rank and a number of ranks (their chunks move
+        when either changes): on a change they restart from zero, with a warning."""
+        if self._owner_of != (rank, size):
+            if self._owner_of is not None and len(self.owners):
+                warnings.warn("horovod-twobit: the ranks changed (this was rank %d of %d, now %d "
+                              "of %d): the scatter owners' residuals restart from zero; the "
+                              "workers' residuals are kept" % (*self._owner_of, rank, size))
+            self.owners.reset()
+            self._owner_of = (rank, size)
+        return self.owners.get(key, torch.empty(numel, dtype=torch.float32, device=device))
+
     def state_dict(self):
         """This rank's residuals (CPU copies) keyed by tensor name, with the threshold, rank and
-        number of ranks they belong to. Residuals are per rank: save one file per rank."""
-        return state.make(self.threshold, *_rank_size(), self.residuals.state_dict())
+        number of ranks they belong to, and its scatter owners' residuals keyed by bucket.
+        Residuals are per rank: save one file per rank."""
+        return state.make(self.threshold, *_rank_size(), self.residuals.state_dict(),
+                          self.owners.state_dict())
 
     def load_state_dict(self, saved):
         """Restores residuals saved by :meth:`state_dict`; each is moved to its gradient's device
@@ -203,14 +235,19 @@ class TwoBitCompressor(Compressor):
         with another number of ranks, the residuals restart from zero with a warning (what was
         not yet sent is dropped: at most one threshold per value and rank)."""
         residuals = state.residuals_to_load(saved, self.threshold, *_rank_size())
+        self.owners.reset()
+        self._owner_of = None
         if residuals is None:
             self.residuals.reset()
         else:
             self.residuals.load_state_dict(residuals)
+            self.owners.load_state_dict(saved.get("owner_residuals", {}))
+            self._owner_of = _rank_size()
 
     def reset(self):
         """Forgets every residual (they restart from zero)."""
         self.residuals.reset()
+        self.owners.reset()
 
 
 def _rank_size():

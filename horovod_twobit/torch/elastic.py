@@ -9,7 +9,10 @@ with :class:`TwoBitStateHandler` (registered when ``horovod_twobit.torch`` is im
 - on a membership change, each surviving worker keeps its own residuals (a residual is the part
   of that worker's gradients it has not sent yet; it does not depend on the worker's rank number,
   and there is nothing to broadcast); a new worker starts from zero; what a removed worker had not
-  sent (at most one threshold per value) is lost.
+  sent (at most one threshold per value) is lost;
+- with the scatter exchange and ``threshold="auto"``, the residuals a worker keeps as the owner of
+  chunks are saved and rolled back alike; when the rank or the number of ranks changes, its
+  chunks move, so they restart from zero with a warning.
 """
 
 import horovod.torch.elastic.state as _state
@@ -22,13 +25,20 @@ class TwoBitStateHandler(_state.StateHandler):
 
     def __init__(self, compressor):
         super().__init__(compressor)
-        self._saved = self.value.residuals.state_dict()
+        self._saved = self._snapshot()
+
+    def _snapshot(self):
+        c = self.value
+        return c.residuals.state_dict(), c.owners.state_dict(), c._owner_of
 
     def save(self):
-        self._saved = self.value.residuals.state_dict()
+        self._saved = self._snapshot()
 
     def restore(self):
-        self.value.residuals.load_state_dict(self._saved)
+        c = self.value
+        residuals, owners, c._owner_of = self._saved
+        c.residuals.load_state_dict(residuals)
+        c.owners.load_state_dict(owners)
 
     def sync(self):
         """Nothing to synchronize: residuals are per worker by design."""

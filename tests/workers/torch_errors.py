@@ -1,14 +1,18 @@
 """Each case must raise the documented error on every rank, quickly, with no hang."""
 
+import functools
 import sys
 import time
 
 import torch
 
 import horovod.torch as hvd
-from horovod_twobit.torch import PayloadMismatchError, TwoBitCompressor
+from horovod_twobit.torch import PayloadMismatchError
+from horovod_twobit.torch import TwoBitCompressor as _TwoBit
 
 case = sys.argv[1]
+exchange = sys.argv[2] if len(sys.argv) > 2 else "allgather"
+TwoBitCompressor = functools.partial(_TwoBit, exchange=exchange) if len(sys.argv) > 2 else _TwoBit
 hvd.init()
 rank = hvd.rank()
 t0 = time.time()
@@ -31,8 +35,18 @@ try:
         hvd.allreduce(torch.ones(33 + rank), name="x", compression=TwoBitCompressor(0.5))
     elif case == "noname":
         hvd.allreduce(torch.ones(4), compression=TwoBitCompressor(0.5))
+    elif case == "auto_vs_fixed":
+        c = TwoBitCompressor("auto" if rank == 0 else 0.5)
+        hvd.allreduce(torch.ones(40), name="x", compression=c)
+    elif case == "buckets":  # another model on one rank: buckets of different tensors
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3 + rank), torch.nn.Linear(3 + rank, 2))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                       named_parameters=m.named_parameters(),
+                                       compression=TwoBitCompressor(0.5))
+        m(torch.ones(2, 4)).sum().backward()
+        opt.step()
     elif case == "class":
-        hvd.allreduce(torch.ones(4), name="x", compression=TwoBitCompressor)
+        hvd.allreduce(torch.ones(4), name="x", compression=_TwoBit)
     elif case == "op":
         hvd.allreduce(torch.ones(4), name="x", op=hvd.Max, compression=TwoBitCompressor(0.5))
     elif case == "adasum":

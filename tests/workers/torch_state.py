@@ -11,6 +11,9 @@ import horovod.torch as hvd
 from horovod_twobit.torch import TwoBitCompressor
 
 out_dir = sys.argv[1]
+THRESHOLD = sys.argv[2] if len(sys.argv) > 2 else 0.1  # "auto" or a number
+THRESHOLD = THRESHOLD if THRESHOLD == "auto" else float(THRESHOLD)
+EXCHANGE = sys.argv[3] if len(sys.argv) > 3 else "allgather"
 hvd.init()
 rank = hvd.rank()
 K = 5
@@ -19,7 +22,7 @@ K = 5
 def build():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    comp = TwoBitCompressor(0.1)
+    comp = TwoBitCompressor(THRESHOLD, exchange=EXCHANGE)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=model.named_parameters(), compression=comp)
     return model, opt, comp
@@ -60,5 +63,6 @@ grads_c = step(model3, opt3, K)
 same = all(torch.equal(grads_a[n], grads_b[n]) and torch.equal(weights_a[n], weights_b[n]) for n in grads_a)
 differs = any(not torch.equal(grads_a[n], grads_c[n]) for n in grads_a)
 nonzero_residual = any(float(v.abs().sum()) > 0 for v in ckpt["twobit"]["residuals"].values())
-print("rank %d same=%s without_residuals_differs=%s nonzero_residual=%s"
-      % (rank, same, differs, nonzero_residual))
+owners = any(float(v.abs().sum()) > 0 for v in ckpt["twobit"].get("owner_residuals", {}).values())
+print("rank %d same=%s without_residuals_differs=%s nonzero_residual=%s owners=%s"
+      % (rank, same, differs, nonzero_residual, owners))

@@ -1,0 +1,76 @@
+"""One bucket's step through the scatter exchange (``TwoBitCompressor(..., exchange="scatter")``).
+
+The encode is the allgather exchange's (:class:`~horovod_twobit.torch.communicator.Flight`); then
+
+1. the payload is cut into N chunk payloads (``scatter_codec.chunk_payloads``) and sent to their
+   owners with Horovod's ``alltoall``;
+2. once it has arrived, this rank, owner of one chunk, checks every sender's chunk and sums them
+   (``scatter_codec.owner_reduce``), and its phase-2 payload goes out with Horovod's
+   ``allgather`` (:mod:`horovod_twobit.torch.progress` submits it from whichever wait comes first);
+3. on the first wait every rank decodes all owners' chunks and commits its residuals
+   (``scatter_codec.finish_reduced``), as the allgather exchange's finish does.
+
+Mismatches are decided in step 2 from headers every owner receives alike, so every rank raises
+the same :class:`PayloadMismatchError` and no rank submits phase 2.
+"""
+
+import horovod.torch.mpi_ops as mpi_ops
+
+from .. import scatter_wire
+from . import progress, scatter_codec
+from .communicator import Flight
+
+
+class ScatterFlight(Flight):
+
+    def _submit(self, payload):
+        b, c = self.bucket, self.bucket.compressor
+        _, self.chunks = b.exchange(self.nranks)
+        self.owner = self.process_set.rank()
+        send, splits = scatter_codec.chunk_payloads(self.chunks, payload, c.threshold)
+        self.first = mpi_ops.alltoall_async(send, splits=splits, name=b.names[0],
+                                            process_set=self.process_set)
+        self.second = self.error = self.bad = None
+        progress.add(self)
+
+    def advance(self):
+        """Phase 2 once phase 1 has arrived; True when nothing more is to be done here."""
+        if self.second is not None or self.error is not None:
+            return True
+        if not mpi_ops.poll(self.first):
+            return False
+        b, c = self.bucket, self.bucket.compressor
+        try:
+            received, splits = mpi_ops.synchronize(self.first)
+            residual = None
+            if b.layout.auto:
+                residual = c.owner_residual(scatter_wire.owner_key(b.names),
+                                            self.chunks.values(self.owner), self.g.device,
+                                            self.owner, self.nranks)
+            payload, self.bad = scatter_codec.owner_reduce(
+                self.chunks, received.to(self.g.device), splits.tolist(), b.names, self.owner,
+                c.threshold, c.auto_rule, residual)
+        except Exception as e:  # raised on the first wait, on every rank alike
+            self.error = e
+            return True
+        self.second = mpi_ops.allgather_async(payload, name=b.names[0] + ".reduced",
+                                              process_set=self.process_set)
+        return True
+
+    def poll(self):
+        if self.results is not None:
+            return True
+        progress.advance()
+        return self.error is not None or (self.second is not None and mpi_ops.poll(self.second))
+
+    def _collect(self):
+        progress.wait(lambda: self.second is not None or self.error is not None)
+        if self.error is not None:
+            raise self.error
+        progress.wait(lambda: mpi_ops.poll(self.second))
+        return mpi_ops.synchronize(self.second)
+
+    def _decode(self, gathered, divisor, out=None):
+        return scatter_codec.finish_reduced(self.chunks, gathered, self.bucket.names, self.r,
+                                            self.g, self.t, self.v, self.bad, divisor, self.scale,
+                                            out=out)

@@ -1,0 +1,142 @@
+"""The scatter exchange in real horovodrun jobs, against the NumPy reference, bit for bit."""
+
+import re
+
+import numpy as np
+import pytest
+
+import jobs
+import sim
+from horovod_twobit import reference as ref
+from horovod_twobit import scatter_wire as sw
+from horovod_twobit import wire
+from horovod_twobit.layout import Layout
+
+STEPS = 6
+ODD = (1, 17, 33, 100, 16 * 7 + 3, 3000)
+
+
+def _job(tmp_path, np_, threshold, exchange="scatter"):
+    res = jobs.run(np_, "torch_scatter.py", "--out", tmp_path, "--threshold", threshold,
+                   "--exchange", exchange, "--steps", STEPS)
+    assert res.output.count("uses %s" % jobs.os.path.join(jobs.os.path.dirname(jobs.HERE),
+                                                          "horovod_twobit")) == np_, res
+    return sim.load_ranks(str(tmp_path), np_)
+
+
+def _check_training(ranks, w, threshold):
+    """Every rank's aggregated gradients are the reference's; returns the alltoalls per step."""
+    r0 = ranks[0]
+    buckets = [list(r0[k]) for k in sorted(k for k in r0 if k.startswith("bucket/"))]
+    names = sorted({k.split("/", 2)[2] for k in r0 if k.startswith("agg/0/")})
+    in_bucket = {n for b in buckets for n in b}
+    assert [len(b) for b in buckets] == [3] and [n for n in names if n not in in_bucket] == ["0.weight"]
+    groups = buckets + [[n] for n in names if n not in in_bucket]
+    nonzero = 0
+    for step in range(STEPS):
+        for b in groups:
+            want = w.bucket(b, [[r["local/%d/%s" % (step, n)] for n in b] for r in ranks])
+            for n, x in zip(b, want):
+                nonzero += np.count_nonzero(x)
+                for rank, r in enumerate(ranks):
+                    np.testing.assert_array_equal(r["agg/%d/%s" % (step, n)], x,
+                                                  err_msg="rank %d step %d %s" % (rank, step, n))
+    assert nonzero > 0
+    for n in names:
+        for r in ranks[1:]:
+            np.testing.assert_array_equal(r["w/" + n], r0["w/" + n])
+    return groups
+
+
+@pytest.mark.parametrize("np_", [2, 3, 4])
+@pytest.mark.parametrize("threshold", [0.05, "auto"])
+def test_scatter_matches_reference(tmp_path, np_, threshold):
+    """DistributedOptimizer with a bucket and a tensor alone, single tensors of odd sizes, op=Sum
+    with scale factors, and a NaN on one rank: every result is the reference's, on every rank."""
+    ranks = _job(tmp_path, np_, threshold)
+    w = ref.Workers(np_, threshold, exchange="scatter")
+    _check_training(ranks, w, threshold)
+    for r in ranks:  # one alltoall and one allgather per bucket and step
+        for step in range(STEPS):
+            assert int(r["calls/alltoall/%d" % step]) == int(r["calls/allgather/%d" % step]) == 2
+    for step in range(3):
+        for n in ODD:
+            want = w.allreduce("single%d" % n, [r["single_in/%d/%d" % (n, step)] for r in ranks])
+            for r in ranks:
+                np.testing.assert_array_equal(r["single_out/%d/%d" % (n, step)], want)
+        want = w.allreduce("sum", [r["sum_in/%d" % step] for r in ranks], op="sum",
+                           prescale=0.5, postscale=3.0)
+        for r in ranks:
+            np.testing.assert_array_equal(r["sum_out/%d" % step], want)
+    for step in range(3):
+        want = w.allreduce("nf", [r["nf_in/%d" % step] for r in ranks])
+        for rank, r in enumerate(ranks):
+            np.testing.assert_array_equal(r["nf_out/%d" % step], want)
+            np.testing.assert_array_equal(r["nf_res_after/%d" % step], w.residuals[rank]["nf"])
+            if threshold == "auto":
+                np.testing.assert_array_equal(r["nf_own_after/%d" % step],
+                                              w.owner_residuals[rank]["nf"])
+            else:
+                assert r["nf_own_after/%d" % step].size == 0
+            if step == 1:
+                assert np.isnan(r["nf_out/1"]).all()
+                for k in ("res", "own"):
+                    np.testing.assert_array_equal(r["nf_%s_after/1" % k], r["nf_%s_before/1" % k])
+    if threshold == "auto":
+        assert any(np.abs(r["nf_own_after/2"]).sum() > 0 for r in ranks)
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_auto_exchange_picks_per_bucket(tmp_path, np_):
+    """exchange="auto": each bucket takes the exchange that sends fewer bytes (the same on every
+    rank: here allgather for the model's small tensors, scatter for 3000 values from N = 3 on) and
+    gets the reference's result."""
+    ranks = _job(tmp_path, np_, 0.05, exchange="auto")
+    w = ref.Workers(np_, 0.05, exchange="auto")
+    groups = _check_training(ranks, w, 0.05)
+    sizes = {"0.weight": 480, "0.bias": 40, "2.weight": 240, "2.bias": 6}
+    scatter = sum(sw.choose("auto", Layout([sizes[n] for n in g], False), np_) == "scatter"
+                  for g in groups)
+    for r in ranks:
+        for step in range(STEPS):
+            assert int(r["calls/alltoall/%d" % step]) == scatter
+            assert int(r["calls/allgather/%d" % step]) == 2
+    for step in range(3):  # 3000 values: scatter from N = 3 on (README's crossover table)
+        for n in ODD:
+            want = w.allreduce("single%d" % n, [r["single_in/%d/%d" % (n, step)] for r in ranks])
+            for r in ranks:
+                np.testing.assert_array_equal(r["single_out/%d/%d" % (n, step)], want)
+                assert int(r["single_alltoalls/%d/%d" % (n, step)]) == (n == 3000 and np_ > 2)
+
+
+CASES = {
+    "threshold": r"different thresholds \[0\.5, 0\.25(, 0\.25)?\].*same threshold",
+    "size": r"different sizes \[40, 60(, 80)?\]",
+    "size_same_words": r"different sizes \[33, 34(, 35)?\]",
+    "auto_vs_fixed": r"some ranks use threshold='auto' and others a fixed threshold",
+    "buckets": r"bucketed different tensors",
+}
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mismatch_raises_on_every_rank(case, np_):
+    res = jobs.run(np_, "torch_errors.py", case, "scatter", timeout=120)
+    lines = set()
+    for rank in range(np_):
+        line = [l for l in res.output.splitlines() if "RAISED rank %d " % rank in l]
+        assert line, "rank %d did not raise: %r" % (rank, res)
+        assert "PayloadMismatchError" in line[0] and re.search(CASES[case], line[0]), line[0]
+        lines.add(line[0].split(": ", 1)[1])
+    assert len(lines) == 1  # the same message on every rank
+    assert res.seconds < 60
+
+
+@pytest.mark.parametrize("threshold", ["0.1", "auto"])
+def test_state_dict_round_trip(threshold):
+    res = jobs.run(3, "torch_state.py", "unused", threshold, "scatter")
+    for rank in range(3):
+        assert ("rank %d same=True without_residuals_differs=True nonzero_residual=True" % rank
+                in res.output), res
+    if threshold == "auto":
+        assert res.output.count("owners=True") == 3, res
