@@ -7,10 +7,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import jobs
 
 
-def test_worker_added_then_removed(tmp_path):
+@pytest.mark.parametrize("exchange", ["allgather", "scatter"])
+def test_worker_added_then_removed(tmp_path, exchange):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     discover = tmp_path / "discover.sh"
@@ -20,6 +23,7 @@ def test_worker_added_then_removed(tmp_path):
            "--host-discovery-script", str(discover), "--elastic-timeout", "60",
            "--network-interface", "lo",
            sys.executable, os.path.join(jobs.WORKERS, "torch_elastic.py"), str(hosts), str(tmp_path)]
+    cmd += ["scatter"] if exchange == "scatter" else []
     t0 = time.time()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=jobs.job_env(), timeout=400)
@@ -39,4 +43,9 @@ def test_worker_added_then_removed(tmp_path):
         else:
             assert e["residual_norm"] == before[-1]["residual_norm"] > 0, (e, before)
     assert any(e["step"] > 0 and e["residual_norm"] > 0 for e in syncs)
+    if exchange == "scatter":  # owners' residuals belong to the (rank, size) of their step
+        assert all(tuple(e["owner_of"]) == (e["rank"], e["size"]) for e in steps)
+        assert any(sum(e["owners"].values()) > 0 for e in steps)
+        resets = [e for e in events if e["event"] == "warning" and "owners' residuals" in e["text"]]
+        assert {e["size"] for e in resets} == {2, 3}, resets  # the worker added, then removed
     assert time.time() - t0 < 400

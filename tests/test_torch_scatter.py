@@ -84,6 +84,14 @@ def test_scatter_matches_reference(tmp_path, np_, threshold):
                     np.testing.assert_array_equal(r["nf_%s_after/1" % k], r["nf_%s_before/1" % k])
     if threshold == "auto":
         assert any(np.abs(r["nf_own_after/2"]).sum() > 0 for r in ranks)
+    for step in range(2):  # waited on in a different order on every rank: no rank starves another
+        for n in ("oa", "ob"):
+            want = w.allreduce(n, [r["order_in/%s/%d" % (n, step)] for r in ranks])
+            for r in ranks:
+                np.testing.assert_array_equal(r["order_out/%s/%d" % (n, step)], want)
+        for r in ranks:
+            np.testing.assert_array_equal(r["order_out/plain/%d" % step],
+                                          np.full(3, sum(range(np_)), np.float32))
 
 
 @pytest.mark.parametrize("np_", [2, 4])
@@ -140,3 +148,43 @@ def test_state_dict_round_trip(threshold):
                 in res.output), res
     if threshold == "auto":
         assert res.output.count("owners=True") == 3, res
+
+
+def test_exchange_argument():
+    from horovod_twobit.torch import TwoBitCompressor
+    assert "exchange='scatter'" in repr(TwoBitCompressor(0.5, exchange="scatter"))
+    assert "exchange" not in repr(TwoBitCompressor(0.5))
+    for bad in ("Scatter", "", None, 2, "ring"):
+        with pytest.raises(ValueError, match="exchange must be one of"):
+            TwoBitCompressor(0.5, exchange=bad)
+
+
+def test_owner_residuals_follow_rank_and_size_and_checkpoints():
+    import torch
+    from horovod_twobit.torch import TwoBitCompressor, TwoBitStateHandler
+    c = TwoBitCompressor("auto", exchange="scatter")
+    r = c.owner_residual("b", 10, "cpu", 0, 2)
+    r += 1
+    assert c.owner_residual("b", 10, "cpu", 0, 2) is r
+    with pytest.warns(UserWarning, match="rank 0 of 2, now 1 of 3.*workers' residuals are kept"):
+        r2 = c.owner_residual("b", 7, "cpu", 1, 3)
+    assert r2.numel() == 7 and not r2.any()
+    # Horovod is not initialized here: this process is rank 0 of 1
+    c = TwoBitCompressor("auto", exchange="scatter")
+    c.owner_residual("b", 5, "cpu", 0, 1).fill_(2)
+    st = c.state_dict()
+    assert torch.equal(st["owner_residuals"]["b"], torch.full((5,), 2.0))
+    handler = TwoBitStateHandler(c)
+    c.owner_residual("b", 5, "cpu", 0, 1).fill_(3)
+    handler.restore()  # rolls back to the snapshot taken when the handler was made
+    assert torch.equal(c.owner_residual("b", 5, "cpu", 0, 1), torch.full((5,), 2.0))
+    c2 = TwoBitCompressor("auto", exchange="scatter")
+    c2.load_state_dict(st)
+    assert torch.equal(c2.owner_residual("b", 5, "cpu", 0, 1), torch.full((5,), 2.0))
+    st["rank"], st["size"] = 1, 2
+    with pytest.warns(UserWarning, match="rank 1 of 2"):
+        c2.load_state_dict(st)
+    assert len(c2.owners) == 0
+    c.reset()
+    assert len(c.owners) == 0
+    assert "owner_residuals" not in TwoBitCompressor(0.5).state_dict()

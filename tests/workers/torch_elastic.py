@@ -1,12 +1,15 @@
 """Elastic training with TwoBitCompressor: a worker is added, then one removed.
 
-argv: HOSTS_FILE LOG_DIR. The hosts file is what the discovery script prints; rank 0 rewrites it at
-fixed steps. Every rank appends one JSON line per step to LOG_DIR/log.jsonl."""
+argv: HOSTS_FILE LOG_DIR [scatter]. The hosts file is what the discovery script prints; rank 0
+rewrites it at fixed steps. Every rank appends one JSON line per step to LOG_DIR/log.jsonl. With
+``scatter``: threshold "auto" and the scatter exchange, whose owners' residuals restart from zero,
+with a warning (logged), when the ranks change."""
 
 import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -14,13 +17,26 @@ import horovod.torch as hvd
 from horovod_twobit.torch import TwoBitCompressor
 
 hosts_file, log_dir = sys.argv[1], sys.argv[2]
+SCATTER = sys.argv[3:] == ["scatter"]
 STEPS = 40
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Linear(16, 4)
-compressor = TwoBitCompressor(0.05)
+compressor = TwoBitCompressor("auto", exchange="scatter") if SCATTER else TwoBitCompressor(0.05)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                named_parameters=model.named_parameters(), compression=compressor)
+
+
+def owners():
+    return {k: float(v.abs().sum()) for k, v in compressor.owners.state_dict().items()}
+
+
+def on_warning(message, *a, **kw):
+    log(event="warning", rank=hvd.rank(), size=hvd.size(), text=str(message))
+
+
+warnings.showwarning = on_warning
+warnings.simplefilter("always")
 
 
 def log(**kw):
@@ -42,7 +58,8 @@ def train(state):
         ws = hvd.allgather(w.unsqueeze(0), name="weights_check")
         log(event="step", rank=hvd.rank(), size=hvd.size(), step=state.step,
             same=bool((ws == ws[0]).all()),
-            residual_norm=sum(float(v.abs().sum()) for v in compressor.residuals.state_dict().values()))
+            residual_norm=sum(float(v.abs().sum()) for v in compressor.residuals.state_dict().values()),
+            owners=owners(), owner_of=compressor._owner_of)
         state.step += 1
         if hvd.rank() == 0 and state.step == 10:
             open(hosts_file, "w").write("localhost:3\n")

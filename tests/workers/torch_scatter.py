@@ -5,6 +5,7 @@
    gradients per step, and the number of alltoalls and allgathers.
 2. hvd.allreduce of single tensors of odd sizes, with op=Sum and scale factors on one of them.
 3. A NaN on one rank at one step: the residuals (workers' and owners') before and after.
+4. Hand-submitted tensors waited on in a different order on every rank.
 """
 
 import argparse
@@ -95,5 +96,18 @@ for step in range(3):
     st = c.state_dict()
     rec["nf_res_after/%d" % step] = st["residuals"]["nf"].numpy().copy()
     rec["nf_own_after/%d" % step] = st.get("owner_residuals", {}).get("nf", torch.zeros(0)).numpy().copy()
+# hand-submitted steps waited on in a different order on every rank, a plain allreduce among them
+for step in range(2):
+    handles = {}
+    for n, k in (("oa", 3000), ("ob", 500)):
+        g = torch.from_numpy(np.random.default_rng(30 * rank + k + step).standard_normal(k)
+                             .astype(np.float32))
+        rec["order_in/%s/%d" % (n, step)] = g.numpy().copy()
+        t, _ = c.compress(g)
+        handles[n] = hvd.allreduce_async_(t, name=n)
+    handles["plain"] = hvd.allreduce_async(torch.ones(3) * rank, name="plain", op=hvd.Sum)
+    order = sorted(handles, reverse=bool((rank + step) % 2))
+    for n in order:
+        rec["order_out/%s/%d" % (n, step)] = hvd.synchronize(handles[n]).numpy().copy()
 np.savez(os.path.join(args.out, "rank%d.npz" % rank), **rec)
 print("rank %d done" % rank)
