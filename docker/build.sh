@@ -131,12 +131,12 @@ if ls "$CARRY"/wheels/torch-"$TORCH_VERSION"+cpu-*.whl >/dev/null 2>&1; then
 fi
 
 # ---------------------------------------------------------------- base image
-if has_image "$PUBLIC_BASE"; then
-  BASE="$PUBLIC_BASE"
+if has_image "docker.io/library/$PUBLIC_BASE"; then
+  BASE="docker.io/library/$PUBLIC_BASE"
   stage "base image: $BASE (present)"
 elif ! has_image "$LOCAL_BASE" && [ "${HOROVOD_TWOBIT_PULL:-1}" != 0 ] && stage "pulling $PUBLIC_BASE" \
      && run timeout 300 "${E[@]}" pull "docker.io/library/$PUBLIC_BASE"; then
-  BASE="$PUBLIC_BASE"
+  BASE="docker.io/library/$PUBLIC_BASE"
 else
   if has_image localhost/bookworm-base; then
     stage "Debian 12 base: localhost/bookworm-base (made earlier)"
