@@ -4,8 +4,9 @@
 # mpi4py built against the system's OpenMPI, Horovod 0.28.1 built from its sdist (patched from C++14
 # to C++17 so it compiles against torch >= 2.1) and this package in editable mode.
 #
-# The Horovod wheel is cached under $HOROVOD_TWOBIT_CACHE (default ~/.cache/horovod-twobit), keyed by
-# every version it was built against, so a rerun with nothing changed takes well under a minute.
+# The Horovod and mpi4py wheels are cached under $HOROVOD_TWOBIT_CACHE (default ~/.cache/horovod-twobit),
+# keyed by every version they were built against, so a rerun with nothing changed takes well under a
+# minute.
 #
 # Environment:
 #   HOROVOD_TWOBIT_CACHE        where built wheels are kept
@@ -13,6 +14,8 @@
 #   HOROVOD_TWOBIT_TORCH_INDEX  an extra package index holding torch's CPU wheels (the Docker image
 #                               sets it; pip's configured find-links serve them on the project's machines)
 #   PYTHON                      the interpreter to build the venv from (default: python3)
+#   HOROVOD_TWOBIT_SKIP_PACKAGE if set, everything but this package (the Docker image's dependency
+#                               layer, built before the source is copied in)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -73,17 +76,28 @@ PIP=("$PY" -m pip install --disable-pip-version-check)
 stage "installing Python packages (torch $TORCH_VERSION CPU, tensorflow-cpu $TF_VERSION, ...)"
 run "${PIP[@]}" "${PY_PACKAGES[@]}" \
   || fail "pip install of the Python packages" "read $LOG; pip's index must serve torch==$TORCH_VERSION (CPU)"
+py_v=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+ompi_v=$(dpkg-query -W -f='${Version}' libopenmpi-dev 2>/dev/null || echo unknown)
 if ! "$PY" -c 'import mpi4py' >/dev/null 2>&1; then
-  stage "building mpi4py against the system's OpenMPI"
-  run env MPICC=mpicc "${PIP[@]}" --no-binary mpi4py "mpi4py>=3.1,<5" \
-    || fail "mpi4py build" "check that mpicc (libopenmpi-dev) works"
+  # cached like Horovod's wheel (a few minutes to build on 2 cores; the Docker image reuses it)
+  MPI4PY_KEY="mpi4py-py$py_v-ompi$ompi_v-$(uname -m)"
+  MPI4PY_DIR="$CACHE/wheels/${MPI4PY_KEY//[^A-Za-z0-9._+-]/_}"
+  if ! ls "$MPI4PY_DIR"/mpi4py-*.whl >/dev/null 2>&1; then
+    stage "building mpi4py against the system's OpenMPI"
+    rm -rf "$MPI4PY_DIR.tmp"
+    run env MPICC=mpicc "$PY" -m pip wheel --disable-pip-version-check --no-deps --no-binary mpi4py \
+        -w "$MPI4PY_DIR.tmp" "mpi4py>=3.1,<5" \
+      || fail "mpi4py build" "check that mpicc (libopenmpi-dev) works"
+    rm -rf "$MPI4PY_DIR" && mv "$MPI4PY_DIR.tmp" "$MPI4PY_DIR"
+  fi
+  stage "installing mpi4py from $MPI4PY_DIR"
+  run "${PIP[@]}" --no-deps "$MPI4PY_DIR"/mpi4py-*.whl \
+    || fail "install of the mpi4py wheel" "delete $MPI4PY_DIR and rerun to rebuild it"
 fi
 
 # ---------------------------------------------------------------- Horovod
 torch_v=$("$PY" -c 'import torch; print(torch.__version__)')
 tf_v=$("$PY" -c 'import os; os.environ["TF_CPP_MIN_LOG_LEVEL"]="3"; import tensorflow as tf; print(tf.__version__)' 2>/dev/null)
-py_v=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-ompi_v=$(dpkg-query -W -f='${Version}' libopenmpi-dev 2>/dev/null || echo unknown)
 PATCH_ID=cxx17-v1
 KEY="horovod-$HOROVOD_VERSION-$PATCH_ID-py$py_v-torch$torch_v-tf$tf_v-ompi$ompi_v-$(uname -m)"
 KEY="${KEY//[^A-Za-z0-9._+-]/_}"
@@ -123,7 +137,9 @@ else
 fi
 
 # ---------------------------------------------------------------- this package
-if ! (cd / && "$PY" -c 'import horovod_twobit, sys; sys.exit(not horovod_twobit.__file__.startswith(sys.argv[1]))' "$REPO") >/dev/null 2>&1; then
+if [ -n "${HOROVOD_TWOBIT_SKIP_PACKAGE:-}" ]; then
+  stage "not installing horovod-twobit (HOROVOD_TWOBIT_SKIP_PACKAGE is set)"
+elif ! (cd / && "$PY" -c 'import horovod_twobit, sys; sys.exit(not horovod_twobit.__file__.startswith(sys.argv[1]))' "$REPO") >/dev/null 2>&1; then
   stage "installing horovod-twobit in editable mode"
   run "${PIP[@]}" --no-deps --no-build-isolation -e "$REPO" || fail "pip install -e ." "read $LOG"
 fi
