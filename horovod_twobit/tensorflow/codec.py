@@ -117,8 +117,9 @@ def _row_levels(x, rule, k):
     if rule in ("opt", "lsq"):
         ts = t[:, None] * tf.constant(OPT_MULTIPLES, tf.float64)
         if rule == "opt":
+            cuts = [ts[:, i:i + 1] for i in range(len(OPT_MULTIPLES))]
             errs = tf.stack([tf.reduce_sum(tf.where(a >= c, tf.square(a - c), a * a), -1)
-                             for c in (ts[:, i:i + 1] for i in range(len(OPT_MULTIPLES)))], -1)
+                             for c in cuts], -1)
             t = v = tf.gather(ts, tf.argmin(errs, -1), batch_dims=1)
         else:
             # every candidate in one broadcast comparison (rows, multiples, m): a handful of ops

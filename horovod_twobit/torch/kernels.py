@@ -92,7 +92,7 @@ def _ternary_errors_body(r, g, ts):
 def _lsq_body(r, g, ts):
     """(count, sum) of |r + g| where |r + g| >= t, for each t in the float64 ``ts`` (as above).
     All thresholds in one broadcast comparison: a handful of ops whatever their number (eagerly,
-    a small tensor costs a tenth of one comparison per threshold; compiled, one loop)."""
+    several ops per threshold before; compiled, still one loop)."""
     a = (r + g.to(torch.float32)).abs().to(torch.float64).unsqueeze(-2)  # (..., 1, n)
     sent = a >= ts.unsqueeze(-1)  # (..., multiples, n)
     return torch.stack([sent.to(torch.float64).sum(-1), torch.where(sent, a, 0.0).sum(-1)], -1)
