@@ -71,7 +71,8 @@ def teardown(iface, namespaces, workdir=None, created_run_sshd=False, known_host
 
 
 def _leftovers(iface):
-    """Namespaces (and /etc/netns entries) of a cluster on ``iface`` that no state file describes."""
+    """Names ``<iface>-h<i>`` of namespaces and /etc/netns entries (what ``down`` removes when no
+    state file describes the cluster)."""
     names = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
              .stdout.split() if re.match(r"^%s-h\d+$" % re.escape(iface), n)]
     if os.path.isdir("/etc/netns"):

@@ -1,9 +1,9 @@
 """ssh into the hosts: the cluster's keys and client config in its temporary directory, one
 ``sshd`` per host, and root's known_hosts left as it was found.
 
-* Every host runs its own ``sshd`` (own config, host key and authorized_keys, listening on the host's
-  address only), started through ``ip netns exec`` so that it and every process of a job live in
-  the host's namespace and see its ``/etc/hosts``.
+* Every host runs its own ``sshd`` (own config, host key and authorized_keys, listening on the
+  host's address only), started through ``ip netns exec`` so that it and every process of a job
+  live in the host's namespace and see its ``/etc/hosts``.
 * ssh never touches root's ``~/.ssh``: a wrapper named ``ssh`` first on the jobs' PATH runs
   ``/usr/bin/ssh -F <cluster config>`` (the cluster's client key, its own known_hosts, no host-key
   prompts). Entries that show up in root's known_hosts for the cluster's addresses anyway are

@@ -1,6 +1,6 @@
 """The state file: ``up`` leaves a JSON description of the running cluster in
-``/run/horovod-twobit-cluster/<iface>.json``; ``VirtualCluster.attach`` (another process) reads it to
-run jobs on that cluster, show it or remove it. Teardown deletes it."""
+``/run/horovod-twobit-cluster/<iface>.json``; ``VirtualCluster.attach`` (another process) reads it
+to run jobs on that cluster, show it or remove it. Teardown deletes it."""
 
 import json
 import os
