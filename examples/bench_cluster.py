@@ -3,7 +3,7 @@ PyTorch DDP with its communication hooks (fp16_compress_hook, quantization_perte
 powerSGD_hook), over the same shaped links.
 
 For every rate and model it trains for a fixed number of steps on N hosts (network namespaces with
-their own sshd, see horovod_twobit/cluster.py) and reports the median step time, the bytes each host
+their own sshd, see horovod_twobit/cluster/) and reports the median step time, the bytes each host
 put on the wire per step (its interface counters around the timed steps), and the loss after the
 steps on a fixed evaluation batch. Horovod jobs go through horovodrun over ssh; DDP jobs are started
 in every host with ``ip netns exec`` (torch.distributed, gloo backend, MASTER_ADDR = host 0).
