@@ -39,27 +39,13 @@ def mlp_sizes(inputs=1024, hidden=4096, outputs=10):
     return out
 
 
-def layouts(sizes, auto, bucket_bytes=lay.DEFAULT_BUCKET_BYTES):
-    """The Layouts TwoBitCompressor sends for these parameters: its buckets, then tensors alone."""
-    names = ["p%d" % i for i in range(len(sizes))]
-    entries = [(n, s, 4 * s, "cpu") for n, s in reversed(list(zip(names, sizes)))]
-    buckets = lay.assign_buckets(entries, bucket_bytes)
-    alone = set(names) - {n for b in buckets for n in b}
-    size = dict(zip(names, sizes))
-    block, blocks = (64, 64) if auto else (None, None)
-    return [lay.Layout([size[n] for n in b], auto, block, blocks) for b in buckets] + \
-        [lay.Layout([size[n]], auto, block, blocks) for n in sorted(alone)]
-
-
 def formula(sizes, method, n):
     """Bytes one host sends per step (mean over hosts)."""
     values = sum(sizes)
     if method in ("none", "fp16"):
         return 2 * (n - 1) / n * values * (4 if method == "none" else 2)
-    auto = method == "scatter_auto"
-    if method == "twobit":
-        return sum(sw.allgather_total_bytes(l, n) for l in layouts(sizes, False)) / n
-    return sum(sw.Chunks(l, n).total_bytes() for l in layouts(sizes, auto)) / n
+    layouts = lay.model_layouts(sizes, "auto" if method == "scatter_auto" else 0.5)
+    return sw.bytes_per_rank(layouts, n, "allgather" if method == "twobit" else "scatter")
 
 
 def measured(specs):

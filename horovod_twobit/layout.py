@@ -138,3 +138,18 @@ def assign_buckets(entries, bucket_bytes):
         cur_key = key
     buckets.append(cur)
     return [b for b in buckets if len(b) > 1]
+
+
+def model_layouts(numels, threshold=0.5, bucket_bytes=None):
+    """The layouts a TwoBitCompressor(threshold, bucket_bytes=...) sends each step for float32
+    parameters of these sizes (in registration order): its buckets, then the tensors it sends
+    alone. For counting bytes (``scatter_wire.bytes_per_rank``), without Horovod."""
+    auto = threshold == "auto"
+    block, blocks = wire.validate_blocks(threshold)
+    names = list(range(len(numels)))
+    entries = [(i, int(numels[i]), 4 * int(numels[i]), "") for i in reversed(names)]
+    buckets = assign_buckets(entries, validate_bucket_bytes(bucket_bytes))
+    alone = sorted(set(i for i in names if numels[i]) - {i for b in buckets for i in b})
+    return [Layout([numels[i] for i in b], auto, block, blocks) for b in buckets] + \
+        [Layout([numels[i]], auto, block, blocks) for i in alone]
+

@@ -130,6 +130,18 @@ def allgather_total_bytes(layout, nranks):
     return 4 * nranks * (nranks - 1) * layout.payload_words
 
 
+def bytes_per_rank(layouts, nranks, exchange):
+    """Bytes one rank sends per step, on average over the ranks, for these layouts (e.g.
+    ``layout.model_layouts``) with ``exchange``, by the formats' own count (headers included)."""
+    total = 0
+    for layout in layouts:
+        if choose(exchange, layout, nranks) == "scatter":
+            total += Chunks(layout, nranks).total_bytes()
+        else:
+            total += allgather_total_bytes(layout, nranks)
+    return total / nranks
+
+
 def choose(exchange, layout, nranks):
     """The exchange a bucket takes: ``exchange`` itself, or for "auto" whichever of the two sends
     fewer bytes for this layout and N (allgather on a tie); the same on every rank."""

@@ -15,7 +15,9 @@ import pytest
 
 import jobs
 import sim
-from horovod_twobit import cluster, wire
+from horovod_twobit import cluster, layout, wire
+from horovod_twobit import reference as ref
+from horovod_twobit import scatter_wire as sw
 
 REASON = cluster.unavailable_reason()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason="virtual cluster unavailable: %s" % REASON),
@@ -118,6 +120,39 @@ def test_bytes_on_the_wire_match_the_format(vc, tmp_path):
         assert abs(two / predicted_2bit - 1) < 0.10, report
         assert abs(none / predicted_none - 1) < 0.10, report
         assert 16 * 0.9 < none / two < 16 * 1.1, report
+
+
+@pytest.mark.timeout(300)
+def test_scatter_bytes_on_the_wire_match_the_format(vc, tmp_path):
+    """4 hosts: each host sends what the scatter exchange's format predicts, 0.75 (numeric) and
+    0.5 ("auto") of the allgather exchange's bytes (README's table)."""
+    n, t = 4, 0.01
+    ranks = _bytes_job(vc, tmp_path, n, ["twobit", "scatter", "scatter_auto"])
+    numels = ranks[0]["twobit"]["numels"]
+    predicted = {"twobit": sw.bytes_per_rank(layout.model_layouts(numels, t), n, "allgather"),
+                 "scatter": sw.bytes_per_rank(layout.model_layouts(numels, t), n, "scatter"),
+                 "scatter_auto": sw.bytes_per_rank(layout.model_layouts(numels, "auto"), n,
+                                                   "scatter")}
+    report = ["rank %d %s: %.0f B/step, predicted %.0f" % (r["rank"], k, r[k]["tx"] / r[k]["steps"],
+                                                           predicted[k])
+              for r in ranks for k in sorted(predicted)]
+    print("\n".join(report))
+    for r in ranks:
+        for k, want in predicted.items():
+            assert abs(r[k]["tx"] / r[k]["steps"] / want - 1) < 0.10, report
+    assert predicted["scatter"] < 0.8 * predicted["twobit"]
+    assert predicted["scatter_auto"] < 0.55 * predicted["twobit"]
+
+
+@pytest.mark.timeout(300)
+def test_scatter_four_hosts_matches_reference(vc, tmp_path):
+    """The scatter exchange across 4 hosts ("auto": owners' residuals) gives the NumPy
+    reference's results, bit for bit, on every host."""
+    from test_torch_scatter import STEPS, _check_training
+    _run(vc, 4, "torch_scatter.py", "--out", tmp_path, "--threshold", "auto", "--exchange",
+         "scatter", "--steps", STEPS)
+    ranks = sim.load_ranks(str(tmp_path), 4)
+    _check_training(ranks, ref.Workers(4, "auto", exchange="scatter"), "auto")
 
 
 @pytest.mark.timeout(240)

@@ -1,5 +1,5 @@
 """Bytes on the wire per step: trains a large linear model with hvd.DistributedOptimizer, once per
-compression in --compression (twobit, none, fp16), and reads this host's interface counters
+compression in --compression (twobit, scatter, scatter_auto, none, fp16), and reads this host's interface counters
 (/proc/net/dev of the host's namespace) around the measured steps. Each rank writes rank%d.json to
 --out: {compression: {"tx", "rx", "steps", "seconds", "numels"}, "idle": {...}}."""
 
@@ -41,8 +41,10 @@ for comp in args.compression.split(","):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(f, f), torch.nn.Tanh(), torch.nn.Linear(f, 16))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    compression = {"twobit": TwoBitCompressor(args.threshold), "none": hvd.Compression.none,
-                   "fp16": hvd.Compression.fp16}[comp]
+    compression = {"twobit": lambda: TwoBitCompressor(args.threshold),
+                   "scatter": lambda: TwoBitCompressor(args.threshold, exchange="scatter"),
+                   "scatter_auto": lambda: TwoBitCompressor("auto", exchange="scatter"),
+                   "none": lambda: hvd.Compression.none, "fp16": lambda: hvd.Compression.fp16}[comp]()
     named = [(comp + "." + n, prm) for n, prm in model.named_parameters()]
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=named, compression=compression)
