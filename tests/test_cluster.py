@@ -264,6 +264,10 @@ def test_refuses_clearly_without_root_or_ip_netns(monkeypatch, capsys):
     assert cluster._main(["up", "--hosts", "2"]) == 2
     assert "needs root" in capsys.readouterr().err
     monkeypatch.undo()
+    monkeypatch.setattr(cluster, "_capabilities", lambda: 0x1fffeffffff & ~(1 << 12))  # a container
+    with pytest.raises(cluster.ClusterUnavailable, match=r"needs CAP_NET_ADMIN \(.*which this root lacks.*--privileged"):
+        cluster.VirtualCluster(n_hosts=2).up()
+    monkeypatch.undo()
     real = cluster._which
     monkeypatch.setattr(cluster, "_which", lambda name, path: None if name == "ip" else real(name, path))
     with pytest.raises(cluster.ClusterUnavailable, match="ip is not installed"):
