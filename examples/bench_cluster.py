@@ -245,8 +245,10 @@ def run_one(c, args, model, method, rate, log):
               args.cnn_channels, "--threads", args.threads]
     if args.threshold:
         common += ["--threshold", args.threshold]
+    # HOROVOD_GLOO_TIMEOUT_SECONDS: broadcasting the 21 M-value MLP from rank 0 to 7 hosts at
+    # 100 Mbit/s takes longer than Gloo's default 30 s
     env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": str(args.threads), "TF_CPP_MIN_LOG_LEVEL": "3",
-           "GLOO_SOCKET_IFNAME": c.iface}
+           "GLOO_SOCKET_IFNAME": c.iface, "HOROVOD_GLOO_TIMEOUT_SECONDS": "600"}
     script = os.path.abspath(__file__)
     if method in HOROVOD_METHODS:
         res = c.horovodrun(1, [sys.executable, script, "--worker", "horovod"] + common,

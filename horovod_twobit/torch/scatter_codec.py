@@ -134,35 +134,48 @@ def piece_levels(pieces, r, g, rule):
     return ts, vs
 
 
-_BIT = {}
+_LUT = {}
+# x * _GATHER >> 56 moves the low bits of the 8 bytes of an int64 (each 0 or 1) to bits 0..7 of
+# its top byte: the partial products of byte k land at bit 56 + k, or at or above bit 64 (gone),
+# or at distinct bits below 56 (no carries reach bit 56).
+_GATHER = 0x0102040810204080
 
 
-def _bits(device):
-    b = _BIT.get(device)
-    if b is None:  # weights of bits 0..31 of an int32 word, bit 31 negative (two's complement)
-        b = _BIT[device] = (torch.tensor([1 << k for k in range(31)] + [-(1 << 31)],
-                                         dtype=torch.int64, device=device),
-                            torch.arange(32, dtype=torch.int32, device=device))
-    return b
+def _spread(device):
+    """256 int64 words: byte k of word b is bit k of b (the inverse of _GATHER)."""
+    t = _LUT.get(device)
+    if t is None:
+        b = torch.arange(256, dtype=torch.int64)
+        t = torch.zeros(256, dtype=torch.int64)
+        for k in range(8):
+            t |= ((b >> k) & 1) << (8 * k)
+        t = _LUT[device] = t.to(device)
+    return t
 
 
 def pack_counts(u, bits):
     """Bit planes of the unsigned counts ``u`` (int32, 0..2N, 16 values a word): ``bits`` planes
-    of ceil(n / 32) int32 words, plane j holding bit j of value k at bit k % 32 of word k // 32."""
-    weights, _ = _bits(u.device)
-    u = torch.nn.functional.pad(u, (0, (-u.numel()) % 32)).view(-1, 32)
-    planes = [(((u >> j) & 1).to(torch.int64) * weights).sum(1).to(torch.int32) for j in range(bits)]
-    return torch.cat(planes) if planes else u.new_empty(0)
+    of ceil(n / 32) int32 words, plane j holding bit j of value k at bit k % 32 of word k // 32
+    (little-endian: byte k // 8 of the word, bit k % 8 of that byte)."""
+    if not u.numel():
+        return u.new_empty(0)
+    u = torch.nn.functional.pad(u, (0, (-u.numel()) % 32))
+    js = torch.arange(bits, dtype=torch.int32, device=u.device).view(-1, 1)
+    ones = ((u.unsqueeze(0) >> js) & 1).to(torch.uint8)  # (bits, n): one byte per bit
+    byte = ((ones.view(torch.int64) * _GATHER) >> 56) & 0xFF  # 8 bits into one byte
+    return byte.to(torch.uint8).view(torch.int32).reshape(-1)
 
 
 def unpack_counts(words, nvalues, bits, nranks):
     """The signed counts (float32) of the first ``nvalues`` values of :func:`pack_counts` words."""
-    _, shifts = _bits(words.device)
-    planes = words.view(bits, -1)
-    u = torch.zeros(planes.shape[1], 32, dtype=torch.int32, device=words.device)
-    for j in range(bits):
-        u |= ((planes[j].unsqueeze(1) >> shifts) & 1) << j
-    return (u.view(-1)[:nvalues] - nranks).to(torch.float32)
+    if not words.numel():
+        return torch.zeros(0, dtype=torch.float32, device=words.device)
+    ones = _spread(words.device)[words.view(torch.uint8).view(bits, -1).long()]
+    ones = ones.view(torch.uint8).view(bits, -1)  # (bits, 32 per word): one byte per bit
+    u = ones[0].clone()
+    for j in range(1, bits):
+        u |= ones[j] << j
+    return u[:nvalues].to(torch.float32) - nranks
 
 
 def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out=None):
