@@ -40,7 +40,7 @@ def _guard(ok, host, inputs):
 
 def _fitted(flat, need):
     """``flat`` cut or zero-padded to ``need`` words (nothing fails on a wrong size)."""
-    return tf.pad(flat[:need], [[0, tf.maximum(0, need - tf.size(flat))]])
+    return tf.reshape(tf.pad(flat[:need], [[0, tf.maximum(0, need - tf.size(flat))]]), [need])
 
 
 def _parts(layout, payload):
