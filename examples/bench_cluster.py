@@ -3,7 +3,7 @@ PyTorch DDP with its communication hooks (fp16_compress_hook, quantization_perte
 powerSGD_hook), over the same shaped links.
 
 For every rate and model it trains for a fixed number of steps on N hosts (network namespaces with
-their own sshd, see horovod_twobit/cluster.py) and reports the median step time, the bytes each host
+their own sshd, see horovod_twobit/cluster/) and reports the median step time, the bytes each host
 put on the wire per step (its interface counters around the timed steps), and the loss after the
 steps on a fixed evaluation batch. Horovod jobs go through horovodrun over ssh; DDP jobs are started
 in every host with ``ip netns exec`` (torch.distributed, gloo backend, MASTER_ADDR = host 0).
@@ -39,7 +39,12 @@ sys.path.insert(0, REPO)
 
 HOROVOD_METHODS = {"none": "Horovod, no compression", "fp16": "Horovod, Compression.fp16",
                    "twobit": "Horovod, TwoBitCompressor",
-                   "auto": 'Horovod, TwoBitCompressor("auto")'}
+                   "auto": 'Horovod, TwoBitCompressor("auto")',
+                   "scatter": 'Horovod, TwoBitCompressor(exchange="scatter")',
+                   "scatter_auto": 'Horovod, TwoBitCompressor("auto", exchange="scatter")'}
+# the TwoBitCompressor methods: (fixed threshold or "auto", exchange)
+TWOBIT = {"twobit": ("fixed", "allgather"), "auto": ("auto", "allgather"),
+          "scatter": ("fixed", "scatter"), "scatter_auto": ("auto", "scatter")}
 DDP_METHODS = {"ddp": "DDP, no hook", "ddp_fp16": "DDP, fp16_compress_hook",
                "ddp_quant": "DDP, quantization_pertensor_hook*", "ddp_powersgd": "DDP, powerSGD_hook**"}
 ALL_METHODS = dict(HOROVOD_METHODS, **DDP_METHODS)
@@ -158,9 +163,11 @@ def worker(args):
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-        if args.method in ("twobit", "auto"):
+        if args.method in TWOBIT:
             from horovod_twobit.torch import TwoBitCompressor
-            compression = TwoBitCompressor(threshold if args.method == "twobit" else "auto")
+            kind, exchange = TWOBIT[args.method]
+            compression = TwoBitCompressor(threshold if kind == "fixed" else "auto",
+                                           exchange=exchange)
         else:
             compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.method]
         opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=args.lr),
@@ -220,7 +227,7 @@ def worker(args):
            "tx": tx1 - tx0, "rx": rx1 - rx0, "steps": args.steps,
            "eval_loss_start": loss0, "eval_loss": eval_loss(net, batch),
            "params": sum(p.numel() for p in net.parameters()),
-           "threshold": threshold if args.method == "twobit" else None}
+           "threshold": threshold if TWOBIT.get(args.method, ("",))[0] == "fixed" else None}
     with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
         json.dump(res, f)
     if args.worker == "ddp":
@@ -276,7 +283,7 @@ def table(results, args):
     base = {(r["rate"], r["model"]): r for r in results if r["method"] == "none" and not r["failed"]}
     for r in results:
         label = ALL_METHODS[r["method"]]
-        if r["method"] == "twobit" and r.get("threshold"):
+        if r["method"] in TWOBIT and r.get("threshold"):
             label += " (t=%g)" % r["threshold"]
         if r["failed"]:
             lines.append("| %s | %s | %s | failed | | | |" % (r["rate"], r["model"], label))
@@ -306,7 +313,7 @@ def plot(results, path, hosts):
             ax = axes[i][j]
             rows = [r for r in ok if r["model"] == model and r["rate"] == rate]
             names = [r["method"] for r in rows]
-            colors = ["tab:red" if n in ("twobit", "auto") else "tab:blue" if n in HOROVOD_METHODS
+            colors = ["tab:red" if n in TWOBIT else "tab:blue" if n in HOROVOD_METHODS
                       else "tab:gray" for n in names]
             bars = ax.bar(range(len(rows)), [r["median_step_s"] for r in rows], color=colors)
             for b_, r in zip(bars, rows):

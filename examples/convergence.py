@@ -7,7 +7,8 @@ level LSTM language model on the text of Python's own help topics (``pydoc_data`
 each with plain SGD, SGD with momentum 0.9 and Adam, for each method: no compression, Horovod's
 fp16, ``TwoBitCompressor`` with fixed thresholds 0.5, 0.05, 0.005, ``threshold="auto"`` and
 ``threshold="auto", blocks=1`` (one magnitude per tensor; ``--methods`` takes these names and
-``auto[-RULE][/BLOCK][:BLOCKS][@MIN]``).
+``auto[-RULE][/BLOCK][:BLOCKS][@MIN]``, each optionally followed by ``+scatter`` or ``+auto``
+for that ``exchange``, e.g. ``auto+scatter``).
 Rank 0 prints a markdown table (final test accuracy or validation loss, payload bytes per step per
 rank) and writes a PNG of the learning curves.
 """
@@ -34,13 +35,14 @@ METHODS = ["none", "fp16", "0.5", "0.05", "0.005", "auto", "auto:1"]
 def parse_method(method):
     """none, fp16, a number (fixed threshold), or auto[-RULE][/BLOCK][:BLOCKS][@MIN]:
     threshold="auto" with that rule, smallest block and most blocks per tensor, leaving tensors of
-    fewer than MIN values uncompressed (min_numel).
+    fewer than MIN values uncompressed (min_numel); then +EXCHANGE for that exchange.
     Returns (threshold or method, keyword arguments of TwoBitCompressor)."""
+    method, _, exchange = method.partition("+")
     method, _, min_numel = method.partition("@")
     method, _, blocks = method.partition(":")
     method, _, block = method.partition("/")
     kw = dict(min_numel=int(min_numel or 0), block=int(block) if block else None,
-              blocks=int(blocks) if blocks else None)
+              blocks=int(blocks) if blocks else None, exchange=exchange or "allgather")
     if method.startswith("auto"):
         return "auto", dict(kw, rule=method.partition("-")[2] or None)
     return (method if method in ("none", "fp16") else float(method)), kw

@@ -88,6 +88,10 @@ class Layout:
         return wire.make_bucket_header(self.numels, 1.0 if self.auto else threshold, self.auto,
                                        self.digest, self.payload_words)
 
+    def plan(self, threshold):
+        """The words of this bucket's one-time scatter announcement (:func:`wire.make_plan`)."""
+        return wire.make_plan(self.numels, 1.0 if self.auto else threshold, self.auto, self.digest)
+
     def member_offsets(self):
         """(first word, word count) of each member inside the packed words."""
         return [(s // 16, w) for s, w in zip(self.starts, self.member_words)]

@@ -41,6 +41,7 @@ FLAG_NONFINITE = 1
 FLAG_AUTO = 2
 FLAG_BLOCKS = 4
 FLAG_BUCKET = 8
+FLAG_PLAN = 64  # (16 and 32 are scatter_wire's) a scatter rank's one-time announcement, no values (see make_plan)
 
 BUCKET_HEADER_WORDS = 8
 
@@ -213,6 +214,31 @@ def make_bucket_header(numels, threshold, auto, digest, payload_words):
     return head + [len(numels), int(digest), int(payload_words)]
 
 
+def make_plan(numels, threshold, auto, digest):
+    """The words a rank using the scatter exchange allgathers, once per bucket and number of ranks,
+    under the name the allgather exchange's payload would use: a bucket header with
+    :data:`FLAG_PLAN` (instead of FLAG_BUCKET) and no body. Ranks using the allgather exchange
+    for the same tensors receive it in place of a payload, and every parser of gathered payloads
+    raises the same :class:`PayloadMismatchError` on every rank (:func:`check_exchange`) instead
+    of the ranks waiting forever on collectives of different kinds (allgather / alltoall)."""
+    head = make_bucket_header(numels, threshold, auto, digest, BUCKET_HEADER_WORDS)
+    head[1] = FLAG_PLAN | (FLAG_AUTO if auto else 0)
+    return head
+
+
+def check_exchange(headers, what, more=""):
+    """Raises :class:`PayloadMismatchError` when some ranks sent a plan (:func:`make_plan`) and
+    others a payload: they use different exchanges for these tensors."""
+    plans = [i for i, h in enumerate(headers) if h is not None and h.flags & FLAG_PLAN]
+    if plans and len(plans) != len(headers):
+        others = [i for i in range(len(headers)) if i not in plans]
+        raise PayloadMismatchError(
+            "%s: ranks %s use exchange='scatter' for it and ranks %s exchange='allgather': "
+            "construct TwoBitCompressor with the same exchange and bucket_bytes on every rank "
+            "(exchange='auto' decides from the number of ranks and the bucket's size, the same "
+            "on every rank when the model is)" % (what, plans, others) + more)
+
+
 class BucketHeader:
     """A parsed bucket payload header (see :func:`make_bucket_header`)."""
 
@@ -220,7 +246,7 @@ class BucketHeader:
 
     def __init__(self, words):
         h = Header(words[:HEADER_WORDS])
-        if not h.flags & FLAG_BUCKET or h.block:
+        if not h.flags & (FLAG_BUCKET | FLAG_PLAN) or h.block:
             raise PayloadMismatchError("not a bucket payload")
         self.version, self.flags, self.numel = h.version, h.flags, h.numel
         self.threshold = h.threshold
@@ -244,6 +270,7 @@ def check_bucket_headers(headers, names):
     what = "tensor %r" % (names[0],)
     more = " (it travels in one bucket with %s%s)" % (
         ", ".join(names[1:4]), ", ..." if len(names) > 4 else "") if len(names) > 1 else ""
+    check_exchange(headers, what, more)
     if any(h is None for h in headers):
         raise PayloadMismatchError(
             "%s: ranks %s sent something other than a bucket payload: every rank must use "
@@ -322,7 +349,7 @@ def split_gathered(flat_words, nranks, name):
         if h.flags & FLAG_BUCKET:
             check_headers([h], name)  # names the mix of buckets and single tensors
         start = off + HEADER_WORDS
-        stop = start + body_words(h.numel, h.block)
+        stop = off + BUCKET_HEADER_WORDS if h.flags & FLAG_PLAN else start + body_words(h.numel, h.block)
         out.append((h, start, stop))
         off = stop
     if off != total:
@@ -335,6 +362,7 @@ def split_gathered(flat_words, nranks, name):
 
 def check_headers(headers, name):
     """Raises :class:`PayloadMismatchError` unless all ranks' headers agree."""
+    check_exchange(headers, "tensor %r" % (name,))
     bucketed = [i for i, h in enumerate(headers) if h.flags & FLAG_BUCKET]
     if bucketed:
         raise PayloadMismatchError(

@@ -56,9 +56,10 @@ def test_scatter_matches_reference(tmp_path, np_, threshold):
     ranks = _job(tmp_path, np_, threshold)
     w = ref.Workers(np_, threshold, exchange="scatter")
     _check_training(ranks, w, threshold)
-    for r in ranks:  # one alltoall and one allgather per bucket and step
+    for r in ranks:  # one alltoall and one allgather per bucket and step, and each bucket's plan
         for step in range(STEPS):
-            assert int(r["calls/alltoall/%d" % step]) == int(r["calls/allgather/%d" % step]) == 2
+            assert int(r["calls/alltoall/%d" % step]) == 2
+            assert int(r["calls/allgather/%d" % step]) == (4 if step == 0 else 2)
     for step in range(3):
         for n in ODD:
             want = w.allreduce("single%d" % n, [r["single_in/%d/%d" % (n, step)] for r in ranks])
@@ -108,7 +109,7 @@ def test_auto_exchange_picks_per_bucket(tmp_path, np_):
     for r in ranks:
         for step in range(STEPS):
             assert int(r["calls/alltoall/%d" % step]) == scatter
-            assert int(r["calls/allgather/%d" % step]) == 2
+            assert int(r["calls/allgather/%d" % step]) == 2 + (scatter if step == 0 else 0)
     for step in range(3):  # 3000 values: scatter from N = 3 on (README's crossover table)
         for n in ODD:
             want = w.allreduce("single%d" % n, [r["single_in/%d/%d" % (n, step)] for r in ranks])
@@ -137,6 +138,26 @@ def test_mismatch_raises_on_every_rank(case, np_):
         assert "PayloadMismatchError" in line[0] and re.search(CASES[case], line[0]), line[0]
         lines.add(line[0].split(": ", 1)[1])
     assert len(lines) == 1  # the same message on every rank
+    assert res.seconds < 60
+
+
+EXCHANGE = r"tensor '[^']+'.*: ranks \[(0|1, 2|1)\] use exchange='scatter' for it and ranks \[(0|1|1, 2)\] exchange='allgather'"
+
+
+@pytest.mark.parametrize("case,np_", [("exchange", 2), ("exchange", 3), ("exchange_bucket", 2),
+                                      ("auto_exchange", 3)])
+def test_mixed_exchanges_raise_on_every_rank(case, np_):
+    """Ranks that use different exchanges for one tensor submit different collectives (alltoall,
+    allgather): each scatter bucket's first step announces its exchange under the allgather
+    exchange's name, so every rank raises the same error instead of waiting forever."""
+    res = jobs.run(np_, "torch_errors.py", case, timeout=120)
+    lines = set()
+    for rank in range(np_):
+        line = [l for l in res.output.splitlines() if "RAISED rank %d " % rank in l]
+        assert line, "rank %d did not raise: %r" % (rank, res)
+        assert "PayloadMismatchError" in line[0] and re.search(EXCHANGE, line[0]), line[0]
+        lines.add(line[0].split(": ", 1)[1])
+    assert len(lines) == 1, lines
     assert res.seconds < 60
 
 

@@ -200,6 +200,16 @@ def split_single(gathered, numel, nranks, name, block=None):
     raise wire.PayloadMismatchError("tensor %r: ranks sent incompatible payloads" % name)
 
 
+def check_plans(layout, gathered, nranks, names):
+    """Parses an allgathered buffer of scatter plans (:func:`wire.make_plan`) as the allgather
+    exchange parses payloads, so a rank that sent a payload instead makes every rank raise the
+    same PayloadMismatchError."""
+    if layout.single:
+        wire.split_gathered(gathered.tolist(), nranks, names[0])
+    else:
+        wire.split_bucket(lambda a, b: gathered[a:b].tolist(), gathered.numel(), nranks, names)
+
+
 def _rows(layout, gathered, nranks, names):
     """(headers, [int32 payload row per rank], bad member flags per rank) of a gathered buffer,
     or PayloadMismatchError with the same message on every rank."""

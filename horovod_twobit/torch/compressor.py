@@ -128,6 +128,8 @@ class TwoBitCompressor(Compressor):
             zeros_like=lambda g: torch.zeros(g.shape, dtype=torch.float32, device=g.device),
             numel=lambda r: r.numel(), to_state=_to_state, from_state=_from_state)
         self._owner_of = None
+        # (bucket, process set, size) whose ranks all announced the scatter exchange
+        self.agreed = set()
         self._buckets = {}  # tensor name -> its planned Bucket
         self._singles = {}  # tensor name -> a Bucket of that tensor alone
         self._lock = threading.Lock()
@@ -248,6 +250,7 @@ class TwoBitCompressor(Compressor):
         """Forgets every residual (they restart from zero)."""
         self.residuals.reset()
         self.owners.reset()
+        self.agreed.clear()
 
 
 def _rank_size():

@@ -39,9 +39,12 @@ class TwoBitStateHandler(_state.StateHandler):
         residuals, owners, c._owner_of = self._saved
         c.residuals.load_state_dict(residuals)
         c.owners.load_state_dict(owners)
+        c.agreed.clear()
 
     def sync(self):
-        """Nothing to synchronize: residuals are per worker by design."""
+        """Nothing to synchronize: residuals are per worker by design. The workers may have
+        changed, so scatter buckets announce their exchange again on their next step."""
+        self.value.agreed.clear()
 
 
 def register():

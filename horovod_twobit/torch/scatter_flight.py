@@ -12,12 +12,22 @@ The encode is the allgather exchange's (:class:`~horovod_twobit.torch.communicat
 
 Mismatches are decided in step 2 from headers every owner receives alike, so every rank raises
 the same :class:`PayloadMismatchError` and no rank submits phase 2.
+
+Before its first step with a number of ranks (and after every elastic reset), a bucket
+allgathers its plan (:func:`horovod_twobit.wire.make_plan`) under the name the allgather
+exchange's payload uses, and goes on to phase 1 once every rank has sent one. A rank that uses the
+allgather exchange for the same tensors (another ``exchange``, or an "auto" that decided otherwise)
+submits its payload under that name instead: that collective completes, and every rank, whichever
+exchange it uses, raises the same :class:`PayloadMismatchError` naming the ranks of each kind
+instead of waiting forever on an alltoall the others never submit.
 """
 
 import horovod.torch.mpi_ops as mpi_ops
 
+import torch
+
 from .. import scatter_wire
-from . import progress, scatter_codec
+from . import codec, progress, scatter_codec
 from .communicator import Flight
 
 
@@ -27,15 +37,46 @@ class ScatterFlight(Flight):
         b, c = self.bucket, self.bucket.compressor
         _, self.chunks = b.exchange(self.nranks)
         self.owner = self.process_set.rank()
-        send, splits = scatter_codec.chunk_payloads(self.chunks, payload, c.threshold)
-        self.first = mpi_ops.alltoall_async(send, splits=splits, name=b.names[0],
-                                            process_set=self.process_set)
-        self.second = self.error = self.bad = None
+        self.first = self.second = self.error = self.bad = None
+        self.agreement = (b.names[0], self.process_set.process_set_id, self.nranks)
+        if self.agreement in c.agreed:
+            self._first(payload)
+        else:
+            self.payload = payload
+            plan = torch.tensor(b.layout.plan(c.threshold), dtype=torch.int32,
+                                device=payload.device)
+            self.plan = mpi_ops.allgather_async(plan, name=b.names[0], process_set=self.process_set)
         progress.add(self)
+
+    def _first(self, payload):
+        send, splits = scatter_codec.chunk_payloads(self.chunks, payload,
+                                                    self.bucket.compressor.threshold)
+        self.first = mpi_ops.alltoall_async(send, splits=splits, name=self.bucket.names[0],
+                                            process_set=self.process_set)
+
+    def _agree(self):
+        """Phase 1 once every rank's plan has arrived; False while waiting for them."""
+        if not mpi_ops.poll(self.plan):
+            return False
+        b = self.bucket
+        try:
+            codec.check_plans(b.layout, mpi_ops.synchronize(self.plan), self.nranks, b.names)
+        except Exception as e:  # raised on the first wait, on every rank alike
+            self.error = e
+            return True
+        b.compressor.agreed.add(self.agreement)
+        self.plan = None
+        self._first(self.payload)
+        self.payload = None
+        return True
 
     def advance(self):
         """Phase 2 once phase 1 has arrived; True when nothing more is to be done here."""
         if self.second is not None or self.error is not None:
+            return True
+        if self.first is None and not self._agree():
+            return False
+        if self.error is not None:
             return True
         if not mpi_ops.poll(self.first):
             return False

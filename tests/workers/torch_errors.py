@@ -45,6 +45,16 @@ try:
                                        compression=TwoBitCompressor(0.5))
         m(torch.ones(2, 4)).sum().backward()
         opt.step()
+    elif case == "exchange":  # rank 0 uses the allgather exchange, the others scatter
+        c = _TwoBit(0.5, exchange="allgather" if rank == 0 else "scatter")
+        hvd.allreduce(torch.ones(40), name="x", compression=c)
+    elif case == "exchange_bucket":  # the same in a bucket, where rank 0 is the one that scatters
+        m, opt = model_opt(_TwoBit(0.5, exchange="scatter" if rank == 0 else "allgather"))
+        m(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    elif case == "auto_exchange":  # "auto" decides from the size: allgather on rank 0 only
+        c = _TwoBit(0.5, exchange="auto")
+        hvd.allreduce(torch.ones(40 if rank == 0 else 3000), name="x", compression=c)
     elif case == "class":
         hvd.allreduce(torch.ones(4), name="x", compression=_TwoBit)
     elif case == "op":

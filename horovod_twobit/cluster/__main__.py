@@ -1,0 +1,8 @@
+"""``python -m horovod_twobit.cluster``: see cli.py."""
+
+import sys
+
+from .cli import _main
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,148 @@
+"""The hosts' network: one network namespace per host, joined to a bridge in the root namespace by
+a veth pair, with its own address, a shaped link and its own ``/etc/hosts``.
+
+Layout (defaults; ``iface`` and ``subnet`` are parameters)::
+
+    root namespace                                   namespace hvd0-h<i>  (one per host)
+    bridge "hvd0" 10.77.0.1/24  --  veth "hvd0-h<i>" <====> veth "hvd0"  10.77.0.<11+i>/24
+    horovodrun (rendezvous)         tc: tbf (to host)        tc: tbf (from host) [+ netem delay]
+                                                             sshd (own config, host key, keys)
+
+* The bridge in the root namespace and the veth inside every host are both named ``iface``, and
+  jobs get ``--network-interface iface``: horovodrun then picks the bridge's address for its
+  rendezvous server and the hosts' addresses for Gloo.
+* Horovod's Gloo process-set contexts bind to the address the machine's hostname resolves to (all
+  namespaces share the hostname, which resolves to 127.0.0.1). ``ip netns exec NS`` bind-mounts
+  ``/etc/netns/NS/hosts`` over ``/etc/hosts``, so each host gets one mapping the hostname to its own
+  address, and ``sshd`` (hence every process of a job) is started through ``ip netns exec``.
+* Links are shaped on both ends of every veth with ``tbf`` at ``rate``: each host has ``rate`` up
+  and ``rate`` down, like a switch port. ``delay`` (netem) is added on the host's side only, so the
+  one-way latency between two hosts is ``delay``.
+
+Traffic only flows between the namespaces and the bridge address in the root namespace; the hosts
+have no default route.
+"""
+
+import ipaddress
+import os
+import re
+import socket
+import subprocess
+
+from .accounting import parse_rate
+from .errors import ClusterError
+from .processes import _run
+
+_DELAY = re.compile(r"^\d+(?:\.\d+)?(us|usec|ms|msec|s|sec)$")
+
+
+class Host:
+    __slots__ = ("index", "ns", "addr", "root_veth", "sshd_pid")
+
+    def __init__(self, index, ns, addr, root_veth, sshd_pid=None):
+        self.index, self.ns, self.addr, self.root_veth, self.sshd_pid = index, ns, addr, root_veth, sshd_pid
+
+    def __repr__(self):
+        return "Host(%d, ns=%s, addr=%s)" % (self.index, self.ns, self.addr)
+
+
+def make_hosts(n_hosts, iface, net):
+    """(bridge address, [Host]) of ``n_hosts`` hosts in the /24 ``net``: the bridge takes .1, host
+    i takes .(11 + i); namespace and root-side veth of host i are both named ``<iface>-h<i>``."""
+    base = int(net.network_address)
+    bridge_addr = str(ipaddress.ip_address(base + 1))
+    hosts = [Host(i, "%s-h%d" % (iface, i), str(ipaddress.ip_address(base + 11 + i)),
+                  "%s-h%d" % (iface, i)) for i in range(n_hosts)]
+    return bridge_addr, hosts
+
+
+def check_free(iface, hosts, subnet):
+    """Raises ClusterError when the bridge, a namespace or the subnet is taken already."""
+    if os.path.exists("/sys/class/net/%s" % iface):
+        raise ClusterError(
+            "an interface named %r already exists in the root namespace (another virtual "
+            "cluster, or a leftover): remove it with `python -m horovod_twobit.cluster down "
+            "--iface %s`, or pick another iface" % (iface, iface))
+    existing = set(_run(["ip", "netns", "list"]).stdout.split())
+    clash = [h.ns for h in hosts if h.ns in existing]
+    if clash:
+        raise ClusterError("network namespaces %s already exist: remove them with `python -m "
+                           "horovod_twobit.cluster down --iface %s`" % (clash, iface))
+    routes = _run(["ip", "-4", "route", "show", "to", "match", str(subnet.network_address)])
+    for line in routes.stdout.splitlines():
+        if line.split() and line.split()[0] != "default":
+            raise ClusterError("the subnet %s is already routed here (%s): pick another subnet"
+                               % (subnet, line.strip()))
+
+
+def create_network(iface, bridge_addr, hosts, mtu, rate, delay):
+    """The bridge, then every host's namespace, veth pair, address, shaping and /etc/netns files."""
+    ip = ["ip"]
+    _run(ip + ["link", "add", iface, "type", "bridge"])
+    _run(ip + ["link", "set", iface, "mtu", str(mtu)])
+    _run(ip + ["addr", "add", "%s/24" % bridge_addr, "dev", iface])
+    _run(ip + ["link", "set", iface, "up"])
+    for h in hosts:
+        _run(ip + ["netns", "add", h.ns])
+        _run(ip + ["link", "add", h.root_veth, "type", "veth", "peer", "name", iface,
+                   "netns", h.ns])
+        _run(ip + ["link", "set", h.root_veth, "mtu", str(mtu), "master", iface, "up"])
+        _run(ip + ["-n", h.ns, "link", "set", "lo", "up"])
+        _run(ip + ["-n", h.ns, "link", "set", iface, "mtu", str(mtu)])
+        _run(ip + ["-n", h.ns, "addr", "add", "%s/24" % h.addr, "dev", iface])
+        _run(ip + ["-n", h.ns, "link", "set", iface, "up"])
+        _no_ipv6(h, iface)
+        _shape(h, iface, rate, delay, mtu)
+        _write_netns_files(h, hosts, iface, bridge_addr)
+
+
+def _no_ipv6(h, iface):
+    """IPv6 off on the cluster's links: no router solicitations or MLD reports in the counters."""
+    for path, ns in (("/proc/sys/net/ipv6/conf/%s/disable_ipv6" % h.root_veth, None),
+                     ("/proc/sys/net/ipv6/conf/%s/disable_ipv6" % iface, iface),
+                     ("/proc/sys/net/ipv6/conf/%s/disable_ipv6" % iface, h.ns)):
+        if ns == h.ns:
+            subprocess.run(["ip", "netns", "exec", h.ns, "sh", "-c", "echo 1 > %s" % path],
+                           capture_output=True, timeout=20)
+        elif os.path.exists(path):
+            with open(path, "w") as f:
+                f.write("1")
+
+
+def _tbf(rate, mtu, dev, ns=None, parent=None):
+    bps = parse_rate(rate)
+    burst = max(4 * (mtu + 100), int(bps / 8 * 0.002))  # >= 2 ms worth at the rate
+    argv = ["tc"] + (["-n", ns] if ns else []) + ["qdisc", "add", "dev", dev]
+    argv += ["parent", parent, "handle", "10:"] if parent else ["root", "handle", "1:"]
+    _run(argv + ["tbf", "rate", str(rate), "burst", str(burst), "latency", "100ms"])
+
+
+def _shape(h, iface, rate, delay, mtu):
+    if rate is not None:
+        _tbf(rate, mtu, h.root_veth)  # bridge -> host
+    if delay is not None:
+        try:
+            _run(["tc", "-n", h.ns, "qdisc", "add", "dev", iface, "root", "handle", "1:",
+                  "netem", "delay", str(delay), "limit", "100000"])
+        except ClusterError as e:
+            if "unknown" in str(e).lower():
+                raise ClusterError("delay needs the netem qdisc, which this kernel lacks "
+                                   "(sch_netem): run without delay") from None
+            raise
+        if rate is not None:
+            _tbf(rate, mtu, iface, ns=h.ns, parent="1:1")
+    elif rate is not None:
+        _tbf(rate, mtu, iface, ns=h.ns)  # host -> bridge
+
+
+def _write_netns_files(h, hosts, iface, bridge_addr):
+    d = os.path.join("/etc/netns", h.ns)
+    os.makedirs(d, exist_ok=True)
+    hostname = socket.gethostname()
+    lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback",
+             "%s %s" % (h.addr, hostname)]
+    lines += ["%s %s" % (o.addr, o.ns) for o in hosts]
+    lines.append("%s %s-launcher" % (bridge_addr, iface))
+    with open(os.path.join(d, "hosts"), "w") as f:
+        f.write("# written by horovod_twobit.cluster for %s; removed on teardown\n" % h.ns)
+        f.write("\n".join(lines) + "\n")
