@@ -161,7 +161,7 @@ def _validated(gathered, lay, head, nranks, keys):
     cols = [0, 2, 3, 4, 5, 6, 7]
     same = tf.reduce_all(tf.equal(tf.gather(h, cols, axis=1),
                                   tf.constant([[head[c] for c in cols]], tf.int32)))
-    modes = wire.FLAG_AUTO | wire.FLAG_BLOCKS | wire.FLAG_BUCKET
+    modes = wire.FLAG_AUTO | wire.FLAG_BLOCKS | wire.FLAG_BUCKET | wire.FLAG_PLAN  # a plan: scatter
     mode = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(h[:, 1], modes), head[1] & modes))
     ok = tf.logical_and(tf.equal(size, need), tf.logical_and(same, mode))
     if tf.executing_eagerly():

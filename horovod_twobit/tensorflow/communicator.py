@@ -139,7 +139,7 @@ def validated(gathered, numel, threshold, nranks, key, block=None):
     cols = [0, 2, 3] if auto and not block else [0, 2, 3, 4]
     same = tf.reduce_all(tf.equal(tf.gather(h, cols, axis=1),
                                   tf.constant([[head[c] for c in cols]], tf.int32)))
-    modes = wire.FLAG_AUTO | wire.FLAG_BLOCKS  # these flags must be this rank's
+    modes = wire.FLAG_AUTO | wire.FLAG_BLOCKS | wire.FLAG_PLAN  # these flags must be this rank's
     mode = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(h[:, 1], modes), head[1] & modes))
     ok = tf.logical_and(tf.equal(size, need), tf.logical_and(same, mode))
     if tf.executing_eagerly():

@@ -28,7 +28,7 @@ from . import codec
 from .bucket import grouped_levels
 
 
-def _guard(ok, host, inputs):
+def guard(ok, host, inputs):
     """A boolean tensor, True once ``ok`` holds; else ``host(*inputs as NumPy)`` raises."""
     if tf.executing_eagerly():
         if not bool(ok):
@@ -38,7 +38,7 @@ def _guard(ok, host, inputs):
         lambda *a: np.bool_(host(*a) or True), inputs, tf.bool, stateful=True), []))
 
 
-def _fitted(flat, need):
+def fitted(flat, need):
     """``flat`` cut or zero-padded to ``need`` words (nothing fails on a wrong size)."""
     return tf.reshape(tf.pad(flat[:need], [[0, tf.maximum(0, need - tf.size(flat))]]), [need])
 
@@ -107,14 +107,14 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule, residu
     that held NaN or Inf, and wherever the check failed."""
     N, layout = chunks.nranks, chunks.layout
     sent = chunks.sent_words(owner)
-    rows = tf.reshape(_fitted(received, N * sent), [N, sent])
+    rows = tf.reshape(fitted(received, N * sent), [N, sent])
     head = chunks.header(owner, threshold)
     got = tf.concat([rows[:, :1], tf.bitwise.bitwise_and(rows[:, 1:2], ~wire.FLAG_NONFINITE),
                      rows[:, 2:sw.HEADER_WORDS]], 1)
     ok = tf.logical_and(tf.reduce_all(tf.equal(got, tf.constant([head], tf.int32))),
                         tf.logical_and(tf.equal(tf.size(received), N * sent),
                                        tf.reduce_all(tf.equal(splits, sent))))
-    checked = _guard(ok, functools.partial(_check_chunks, chunks, names, owner),
+    checked = guard(ok, functools.partial(_check_chunks, chunks, names, owner),
                      [received, splits])
     fw, nm, wc = chunks.flag_words, chunks.mags(owner), chunks.words(owner)
     body = sw.HEADER_WORDS + fw
@@ -194,15 +194,15 @@ def finish_reduced(chunks, gathered, names, threshold, bad, divisor, scale):
     layout, N = chunks.layout, chunks.nranks
     lengths = [chunks.reduced_words(c) for c in range(N)]
     need, offs = sum(lengths), [sum(lengths[:c]) for c in range(N)]
-    fitted = _fitted(gathered, need)
+    flat = fitted(gathered, need)
     heads = np.concatenate([chunks.header(c, threshold, reduced=True) for c in range(N)])
-    got = tf.gather(fitted, np.concatenate([np.arange(o, o + sw.HEADER_WORDS) for o in offs]))
+    got = tf.gather(flat, np.concatenate([np.arange(o, o + sw.HEADER_WORDS) for o in offs]))
     ok = tf.logical_and(tf.equal(tf.size(gathered), need),
                         tf.reduce_all(tf.equal(got, tf.constant(heads, tf.int32))))
-    checked = _guard(ok, functools.partial(_check_reduced, chunks, names), [gathered])
+    checked = guard(ok, functools.partial(_check_reduced, chunks, names), [gathered])
     parts = []
     for c, o in enumerate(offs):
-        body, n, wc = fitted[o + sw.HEADER_WORDS:o + lengths[c]], chunks.values(c), chunks.words(c)
+        body, n, wc = flat[o + sw.HEADER_WORDS:o + lengths[c]], chunks.values(c), chunks.words(c)
         if not n:
             continue
         if layout.auto:

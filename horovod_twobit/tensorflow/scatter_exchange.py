@@ -20,6 +20,10 @@ graph (eager callers run it as a cached ``tf.function``), phase 2's allgather ta
 reduced payload as input, so TensorFlow's executor runs it as soon as the alltoall is done, on
 every rank, whatever else the graph waits on.
 
+Before phase 1 the ranks agree on the exchange (:func:`agreed`: an allgather of a 32-byte plan
+under the allgather exchange's name; in the graph one more dependency of phase 1, at every step),
+so ranks that mix exchanges raise instead of hanging.
+
 Mismatches are decided from headers that every owner receives alike: every rank raises the same
 :class:`~horovod_twobit.wire.PayloadMismatchError` (eagerly as such; in a graph inside the
 ``tf.errors.UnknownError`` that carries it, see :mod:`communicator`), and since phase 2's payload
@@ -28,11 +32,14 @@ gradient on any rank: the member is NaN on every rank, and neither the workers' 
 residuals of that member change.
 """
 
+import functools
+
+import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 
-from .. import scatter_wire
+from .. import scatter_wire, wire
 from . import bucket, codec, scatter_codec
 
 
@@ -92,11 +99,48 @@ class ScatterStep:
         return bucket.commit(lay, ex.residuals, new, ex.tensors, out)
 
 
+def agreed(compressor, layout, keys, ex_payload, process_set, op_name, ignore_name_scope):
+    """A boolean tensor, True once every rank has announced the scatter exchange for this bucket:
+    its plan (:meth:`Layout.plan`) allgathered under the name, and in the name scope, of the
+    allgather exchange's payload. A rank that uses the allgather exchange for the same tensors
+    submits its payload under that name, that collective completes, and every rank raises the
+    same PayloadMismatchError naming the ranks of each kind (the wire parsers recognise plans),
+    instead of waiting forever on an alltoall the others never submit.
+
+    Unlike the PyTorch binding, which announces once per bucket and number of ranks, a graph
+    announces at every step: Horovod names a collective after its node's path, and a node inside
+    a ``tf.cond`` branch (what "only the first time" would need) gets a path that depends on the
+    rest of the graph, so it would not meet the other rank's payload; it would hang. The cost is
+    one allgather of 32 bytes per rank, bucket and step."""
+    nranks = process_set.size()
+    plan = layout.plan(compressor.threshold)
+    # from a run-time value: Grappler's constant folding would run a collective of a constant
+    words = tf.constant(plan, tf.int32) + tf.bitwise.bitwise_and(ex_payload[1:2], 0)
+    gathered = mpi_ops.allgather(words, name=op_name,
+                                 process_set=process_set, ignore_name_scope=ignore_name_scope)
+    need, mine = nranks * len(plan), tf.constant(plan * nranks, tf.int32)
+    ok = tf.logical_and(tf.equal(tf.size(gathered), need),
+                        tf.reduce_all(tf.equal(scatter_codec.fitted(gathered, need), mine)))
+    return scatter_codec.guard(ok, functools.partial(_check_plans, layout, nranks, keys),
+                               [gathered])
+
+
+def _check_plans(layout, nranks, keys, gathered):
+    """Parses gathered plans as the allgather exchange parses payloads (see ``torch.codec``)."""
+    flat = [int(x) for x in np.asarray(gathered).reshape(-1)]
+    if layout.single:
+        wire.split_gathered(flat, nranks, keys[0])
+    else:
+        wire.split_bucket(lambda a, b: flat[a:b], len(flat), nranks, list(keys))
+
+
 def run(compressor, ex, layout, keys, process_set, op_name, ignore_name_scope):
-    """The scatter exchange of an encoded ``ex`` over ``process_set``: alltoall, owner reduce,
-    allgather, finish. Returns the results."""
+    """The scatter exchange of an encoded ``ex`` over ``process_set``: the plan's agreement,
+    alltoall, owner reduce, allgather, finish. Returns the results."""
     step = ScatterStep(compressor, ex, layout, keys, process_set.size(), process_set.rank())
-    received, splits = mpi_ops.alltoall(step.send, splits=step.splits, name=op_name,
+    ok = agreed(compressor, layout, keys, ex.payload, process_set, op_name, ignore_name_scope)
+    send = tf.where(ok, step.send, tf.zeros_like(step.send))  # phase 1 waits for the agreement
+    received, splits = mpi_ops.alltoall(send, splits=step.splits, name=op_name,
                                         process_set=process_set,
                                         ignore_name_scope=ignore_name_scope)
     gathered = mpi_ops.allgather(step.reduce(received, splits), name=op_name + "_reduced",

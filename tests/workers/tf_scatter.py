@@ -6,7 +6,8 @@
    every rank's local and aggregated gradients per step, and the buckets' layouts.
 2. hvd.allreduce of single tensors of odd sizes, and one with op=Sum and scale factors.
 3. A NaN on the last rank at one step: the residuals (workers' and owners') before and after.
-4. Mismatches (cases named on the command line after --cases): each prints the error it raised.
+4. Mismatches, mixed exchanges among them (cases named after --cases): each prints the error it
+   raised.
 The names of the alltoalls traced per section (alltoall/<section>) show which exchange ran.
 """
 
@@ -184,6 +185,25 @@ def case_auto_mixed_tape():
         loss = tf.reduce_sum(v * v)
     cc = TwoBitCompressor("auto" if rank == 0 else 0.5, exchange="scatter")
     hvd.DistributedGradientTape(tape, compression=cc).gradient(loss, [v])
+
+
+def case_exchange():  # rank 0 uses the allgather exchange, the others scatter
+    cc = TwoBitCompressor(0.5, exchange="allgather" if rank == 0 else "scatter")
+    hvd.allreduce(tf.ones([40]), name="x", compression=cc)
+
+
+def case_exchange_tape():  # a bucket of two, where rank 0 is the one that scatters
+    a, b = tf.Variable(tf.ones([40]), name="a"), tf.Variable(tf.ones([30]), name="b")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(a * a) + tf.reduce_sum(b * b)
+    cc = TwoBitCompressor(0.5, exchange="scatter" if rank == 0 else "allgather")
+    hvd.DistributedGradientTape(tape, compression=cc).gradient(loss, [a, b])
+
+
+def case_auto_exchange_function():  # "auto" decides from the size: allgather on rank 0 only
+    cc = TwoBitCompressor(0.5, exchange="auto")
+    tf.function(lambda t: hvd.allreduce(t, name="x", compression=cc))(
+        tf.ones([40 if rank == 0 else 3000]))
 
 
 for case in args.cases:
