@@ -14,7 +14,7 @@ from horovod_twobit import reference as ref
 from horovod_twobit import scatter_wire as sw
 from horovod_twobit.layout import Layout
 
-STEPS = 4
+STEPS = 3
 ODD = (1, 17, 100, 16 * 7 + 3, 3000)
 MODES = ("tape_eager", "tape_function", "keras")
 SIZES = {"hidden/kernel": 480, "hidden/bias": 40, "out/kernel": 240, "out/bias": 6}
@@ -42,7 +42,7 @@ def _cases(np_):
 
 def _job(tmp_path, np_, threshold, exchange):
     res = jobs.run(np_, "tf_scatter.py", "--out", tmp_path, "--threshold", threshold,
-                   "--exchange", exchange, "--steps", STEPS, "--cases", *_cases(np_), timeout=300)
+                   "--exchange", exchange, "--steps", STEPS, "--cases", *_cases(np_), timeout=600)
     assert res.output.count("uses %s" % jobs.os.path.join(jobs.os.path.dirname(jobs.HERE),
                                                           "horovod_twobit")) == np_, res
     return res, sim.load_ranks(str(tmp_path), np_)
