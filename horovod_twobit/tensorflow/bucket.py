@@ -44,22 +44,30 @@ def _flat(layout, parts):
 def segment_levels(layout, x, rule):
     """(thresholds, magnitudes) of every segment of an "auto" layout, from the flat float32 r + g:
     equal-length segments in one reduction each, exactly as one tensor or block is reduced."""
+    return grouped_levels(layout.groups, layout.seg_starts, x, rule)
+
+
+def grouped_levels(groups, starts, x, rule):
+    """(thresholds, magnitudes) of segments of ``x`` (segment k starts at ``starts[k]``), from
+    ``groups`` of equal-length segments: (length, segment ids, contiguous start or None)."""
     name, k = wire.parse_rule(rule)
     ts, vs, order = [], [], []
-    for length, ids, start in layout.groups:
+    for length, ids, start in groups:
         if not length:
             t = v = tf.ones([len(ids)], tf.float32)
         else:
             if start is not None:
                 rows = x[start:start + len(ids) * length]
             else:
-                idx = np.concatenate([np.arange(layout.seg_starts[i], layout.seg_starts[i] + length)
+                idx = np.concatenate([np.arange(starts[i], starts[i] + length)
                                       for i in ids]).astype(np.int32)
                 rows = tf.gather(x, idx)
             t, v = codec._row_levels(tf.reshape(rows, [len(ids), length]), name, k)
         ts.append(t)
         vs.append(v)
         order += ids
+    if not ts:
+        return tf.zeros([0], tf.float32), tf.zeros([0], tf.float32)
     perm = np.argsort(np.asarray(order), kind="stable").astype(np.int32)
     if len(ts) == 1 and order == sorted(order):
         return ts[0], vs[0]
@@ -125,15 +133,22 @@ class BucketExchange:
         out, new = kernels.finish(rows[:, lay.body:], ts, bad, count, self.grad, self.before,
                                   self.threshold, self.op == mpi_ops.Average, self.scale,
                                   self.magnitude)
-        updates = [r.assign(new[s:s + n]) for r, s, n in zip(self.residuals, lay.starts, lay.numels)]
-        results = []
-        with tf.control_dependencies(updates):
-            for t, s, n in zip(self.tensors, lay.starts, lay.numels):
-                res = tf.reshape(out[s:s + n], t.shape)
-                if res.dtype != t.dtype:
-                    res = tf.cast(res, t.dtype)
-                results.append(tf.identity(res))
-        return results
+        return commit(lay, self.residuals, new, self.tensors, out)
+
+
+def commit(lay, residuals, new, tensors, out):
+    """Assigns each member's slice of the flat ``new`` to its residual variable; returns each
+    member's slice of the flat result ``out`` (its tensor's shape and dtype), after the updates."""
+    updates = [r.assign(tf.reshape(new[s:s + n], r.shape))
+               for r, s, n in zip(residuals, lay.starts, lay.numels)]
+    results = []
+    with tf.control_dependencies(updates):
+        for t, s, n in zip(tensors, lay.starts, lay.numels):
+            res = tf.reshape(out[s:s + n], t.shape)
+            if res.dtype != t.dtype:
+                res = tf.cast(res, t.dtype)
+            results.append(tf.identity(res))
+    return results
 
 
 def _validated(gathered, lay, head, nranks, keys):
@@ -146,7 +161,7 @@ def _validated(gathered, lay, head, nranks, keys):
     cols = [0, 2, 3, 4, 5, 6, 7]
     same = tf.reduce_all(tf.equal(tf.gather(h, cols, axis=1),
                                   tf.constant([[head[c] for c in cols]], tf.int32)))
-    modes = wire.FLAG_AUTO | wire.FLAG_BLOCKS | wire.FLAG_BUCKET
+    modes = wire.FLAG_AUTO | wire.FLAG_BLOCKS | wire.FLAG_BUCKET | wire.FLAG_PLAN  # a plan: scatter
     mode = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(h[:, 1], modes), head[1] & modes))
     ok = tf.logical_and(tf.equal(size, need), tf.logical_and(same, mode))
     if tf.executing_eagerly():

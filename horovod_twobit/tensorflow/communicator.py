@@ -26,9 +26,9 @@ import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 
-from .. import wire
+from .. import scatter_wire, wire
 from . import codec, kernels
-from .bucket import BucketExchange
+from .bucket import BucketExchange, layout_of
 
 
 class Exchange:
@@ -37,12 +37,14 @@ class Exchange:
     def __init__(self, compressor, tensor, key, op, prescale, postscale, nranks):
         self.tensor = tensor
         self.key = key
+        self.tensors, self.keys = [tensor], [key]  # as BucketExchange's (scatter_exchange)
         self.mode = compressor.threshold  # a number, or "auto"
         self.op = op
         self.scale = float(prescale) * float(postscale)
         self.nranks = int(nranks)
         self.numel = tensor.shape.num_elements()
         self.residual = compressor.residuals.get(key, tensor)
+        self.residuals = [self.residual]
         self.grad = codec._flat32(tensor)
         self.before = self.residual.read_value()
         self.auto = self.mode == "auto"
@@ -137,7 +139,7 @@ def validated(gathered, numel, threshold, nranks, key, block=None):
     cols = [0, 2, 3] if auto and not block else [0, 2, 3, 4]
     same = tf.reduce_all(tf.equal(tf.gather(h, cols, axis=1),
                                   tf.constant([[head[c] for c in cols]], tf.int32)))
-    modes = wire.FLAG_AUTO | wire.FLAG_BLOCKS  # these flags must be this rank's
+    modes = wire.FLAG_AUTO | wire.FLAG_BLOCKS | wire.FLAG_PLAN  # these flags must be this rank's
     mode = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(h[:, 1], modes), head[1] & modes))
     ok = tf.logical_and(tf.equal(size, need), tf.logical_and(same, mode))
     if tf.executing_eagerly():
@@ -177,12 +179,20 @@ def translate(error):
 def run(compressor, tensors, keys, op, prescale, postscale, process_set, op_name,
         ignore_name_scope):
     """Exchanges a list of dense floating-point tensors: one tensor alone, several as one bucket
-    (:mod:`horovod_twobit.tensorflow.bucket`); one allgather either way. Returns the results."""
+    (:mod:`horovod_twobit.tensorflow.bucket`); one allgather either way, or with
+    ``exchange="scatter"`` (or "auto" choosing it) an alltoall and an allgather
+    (:mod:`horovod_twobit.tensorflow.scatter_exchange`). Returns the results."""
     nranks = process_set.size()
     if len(tensors) == 1:
         ex = Exchange(compressor, tensors[0], keys[0], op, prescale, postscale, nranks)
     else:
         ex = BucketExchange(compressor, tensors, keys, op, prescale, postscale, nranks)
+    if compressor.exchange != "allgather":
+        layout = layout_of(compressor, keys, tensors)
+        if scatter_wire.choose(compressor.exchange, layout, nranks) == "scatter":
+            from . import scatter_exchange
+            return scatter_exchange.run(compressor, ex, layout, keys, process_set, op_name,
+                                        ignore_name_scope)
     gathered = mpi_ops.allgather(ex.payload, name=op_name, process_set=process_set,
                                  ignore_name_scope=ignore_name_scope)
     out = ex.finish(gathered)

@@ -9,7 +9,8 @@ import tensorflow as tf
 
 from horovod.tensorflow.compression import Compressor
 
-from .. import layout, state, wire
+from .. import layout, scatter_wire, state, wire
+from .residuals import Residuals, _Plain, rank_size  # noqa: F401 (rank_size: public here too)
 
 
 class _Unrouted:
@@ -20,147 +21,6 @@ class _Unrouted:
 
 
 _UNROUTED = _Unrouted()
-
-
-class _Plain:
-    """Holds state that must not become a checkpoint dependency."""
-
-    def __init__(self):
-        self.pending = {}
-        self.variables = {}
-        self.eager_fns = {}
-
-
-def rank_size():
-    """(rank, size) of this Horovod process, or (0, 1) before ``hvd.init()``."""
-    import horovod.tensorflow as hvd
-    try:
-        return hvd.rank(), hvd.size()
-    except ValueError:
-        return 0, 1
-
-
-class Residuals(tf.Module):
-    """The error-feedback state of one compressor: a float32 ``tf.Variable`` per tensor name.
-
-    A residual is created at zero on the first exchange of its tensor and lives as long as the
-    compressor: a ``tf.function`` that captured it keeps working whatever happens later
-    (:meth:`reset` and :meth:`load_state_dict` assign values, they never replace variables). It is
-    created under ``tf.init_scope()``, so a first use inside a ``tf.function`` (on any trace, not
-    only the first) makes an ordinary eager variable.
-
-    Every residual is a checkpoint dependency of this module, saved as ``rank<r>of<n>/<name>``; a
-    ``tf.train.Checkpoint`` restored before the residuals exist fills each one in when it is
-    created. A residual belongs to the rank that made it, so a checkpoint written by another rank
-    or with another number of ranks (the usual "save on rank 0 only") restores none of them: they
-    start from zero, as with :meth:`TwoBitCompressor.load_state_dict`. Save one checkpoint per rank
-    to restore them exactly.
-    """
-
-    def __init__(self, name="residuals"):
-        super().__init__(name=name)
-        self._tracked = {}  # tracked by tf.Module: "rank<r>of<n>/<name>" -> tf.Variable
-        # Plain (untracked) state: name -> tf.Variable, and values from load_state_dict() for
-        # residuals not created yet.
-        self._plain = _Plain()
-        self._lock = threading.RLock()
-
-    @property
-    def _by_name(self):
-        return self._plain.variables
-
-    def get(self, name, grad):
-        """The residual (1-D, float32) for tensor ``name``, created at zero on first use. Raises if
-        the tensor's size changed under the same name."""
-        if not isinstance(name, str) or not name:
-            raise ValueError("a residual needs a non-empty string name, got %r" % (name,))
-        numel = grad.shape.num_elements()
-        if numel is None:
-            raise ValueError(
-                "tensor %r has a shape that is not fully known (%s): TwoBitCompressor keeps a "
-                "residual of fixed size per tensor and needs static shapes" % (name, grad.shape))
-        with self._lock:
-            r = self._by_name.get(name)
-            if r is not None:
-                if r.shape.num_elements() != numel:
-                    raise ValueError(
-                        "tensor %r changed size from %d to %d values; its residual cannot follow. "
-                        "Give tensors of different sizes different names"
-                        % (name, r.shape.num_elements(), numel))
-                return r
-            with tf.init_scope():
-                init = tf.zeros([numel], tf.float32)
-                pending = self._plain.pending.pop(name, None)
-                if pending is not None:
-                    pending = np.asarray(pending, dtype=np.float32).reshape(-1)
-                    if pending.size != numel:
-                        warnings.warn("horovod-twobit: restored residual %r has %d values but the "
-                                      "gradient has %d; starting that residual from zero"
-                                      % (name, pending.size, numel))
-                    else:
-                        init = tf.constant(pending)
-                device = getattr(grad, "device", "") or ""
-                with tf.device(device or None):
-                    r = tf.Variable(init, trainable=False, name="twobit_residual",
-                                    synchronization=tf.VariableSynchronization.NONE,
-                                    aggregation=tf.VariableAggregation.NONE)
-                self._by_name[name] = r
-                # Tracked inside init_scope: a deferred checkpoint restore runs eagerly, once.
-                self._tracked["rank%dof%d/%s" % (rank_size() + (name,))] = r
-            return r
-
-    def variable(self, name):
-        """The residual variable of ``name`` (KeyError if it was never created)."""
-        with self._lock:
-            return self._by_name[name]
-
-    def names(self):
-        with self._lock:
-            return sorted(set(self._by_name) | set(self._plain.pending))
-
-    def __len__(self):
-        return len(self.names())
-
-    def __contains__(self, name):
-        with self._lock:
-            return name in self._by_name or name in self._plain.pending
-
-    def state_dict(self):
-        """A dict name -> residual value (a NumPy float32 copy), pending values included. Eager only."""
-        with self._lock:
-            out = {k: v.numpy().copy() for k, v in self._by_name.items()}
-            out.update({k: np.array(v, dtype=np.float32).reshape(-1)
-                        for k, v in self._plain.pending.items() if k not in out})
-            return out
-
-    def load_state_dict(self, state):
-        """Replaces all residuals: existing variables are assigned (those absent from ``state`` are
-        zeroed), the others are created with their value on first use. Eager only."""
-        with self._lock:
-            pending = {}
-            for k, v in self._by_name.items():
-                if k in state:
-                    value = np.asarray(state[k], dtype=np.float32).reshape(-1)
-                    if value.size != v.shape.num_elements():
-                        warnings.warn("horovod-twobit: restored residual %r has %d values but the "
-                                      "gradient has %d; starting that residual from zero"
-                                      % (k, value.size, v.shape.num_elements()))
-                        value = np.zeros(v.shape.num_elements(), np.float32)
-                    v.assign(value)
-                else:
-                    v.assign(tf.zeros_like(v))
-            for k, value in state.items():
-                if k not in self._by_name:
-                    pending[k] = np.asarray(value, dtype=np.float32).reshape(-1)
-            self._plain.pending = pending
-
-    def reset(self):
-        """Sets every residual to zero (the variables stay, so traced functions stay valid) and
-        drops values restored for residuals not created yet."""
-        with self._lock:
-            for v in self._by_name.values():
-                v.assign(tf.zeros_like(v))
-            self._plain.pending = {}
 
 
 class TwoBitCompressor(Compressor, tf.Module):
@@ -228,18 +88,31 @@ class TwoBitCompressor(Compressor, tf.Module):
             allgather and one finish per bucket instead of per tensor, every tensor's result
             unchanged, bit for bit. 0: every tensor alone. ``hvd.grouped_allreduce`` sends its
             group as one bucket.
+        exchange: how ranks combine their payloads, as in the PyTorch binding. ``"allgather"``
+            (default): every rank receives every rank's payload, traffic growing with N.
+            ``"scatter"``: each bucket (or tensor) is cut into N chunks; each rank receives the
+            2-bit chunks of the one it owns (Horovod's ``alltoall``), sums them and sends the
+            sum to all (``allgather``): counts in ceil(log2(2N + 1)) bits per value with a
+            numeric threshold (lossless), or re-encoded in 2 bits with the owner's own residual
+            for "auto" (:mod:`horovod_twobit.tensorflow.scatter_exchange`). ``"auto"``: per
+            bucket, whichever sends fewer bytes for its size and N. Every rank must use the same.
     """
 
     def __init__(self, threshold=0.5, name=None, *, rule=None, block=None, blocks=None,
-                 bucket_bytes=None):
+                 bucket_bytes=None, exchange="allgather"):
         tf.Module.__init__(self, name=name or "twobit_compressor")
         threshold = wire.validate_threshold(threshold)
         self.block, self.blocks = wire.validate_blocks(threshold, block, blocks)
         self._threshold = threshold
         self.auto_rule = wire.auto_rule(rule)
         self.bucket_bytes = layout.validate_bucket_bytes(bucket_bytes)
-        self.residuals = Residuals()
+        self.exchange = scatter_wire.validate_exchange(exchange)
         self._plain = _Plain()  # the router's cache of eager exchange functions
+        self.residuals = Residuals()
+        # the residuals this rank keeps as owner of scatter chunks ("auto" only), keyed by
+        # bucket, and the (rank, size) they belong to
+        self.owners = Residuals(name="owner_residuals")
+        self._plain.owner_of = None
         self._warned = threading.Event()
         from . import _routing
         _routing.install()
@@ -252,6 +125,8 @@ class TwoBitCompressor(Compressor, tf.Module):
         extra = wire.auto_args_repr(self._threshold, self.auto_rule, self.block, self.blocks)
         if self.bucket_bytes != layout.DEFAULT_BUCKET_BYTES:
             extra += ", bucket_bytes=%d" % self.bucket_bytes
+        if self.exchange != "allgather":
+            extra += ", exchange=%r" % self.exchange
         return "TwoBitCompressor(threshold=%r%s)" % (self._threshold, extra)
 
     def compress(self, tensor):
@@ -275,11 +150,29 @@ class TwoBitCompressor(Compressor, tf.Module):
                           "horovod_twobit.tensorflow.install() if you uninstalled the router.")
         return tensor
 
+    def owner_residual(self, key, numel, rank, size):
+        """This rank's residual variable as owner of a scatter chunk of bucket ``key`` (float32,
+        ``numel`` values), created at zero on first use. Owners' residuals belong to a rank and a
+        number of ranks (their chunks move when either changes): on a change they restart from
+        zero, with a warning. Called when an exchange is traced, so a function traced before
+        keeps the variables it captured."""
+        if self._plain.owner_of != (rank, size):
+            if self._plain.owner_of is not None and len(self.owners):
+                warnings.warn("horovod-twobit: the ranks changed (this was rank %d of %d, now %d "
+                              "of %d): the scatter owners' residuals restart from zero; the "
+                              "workers' residuals are kept" % (*self._plain.owner_of, rank, size))
+            self.owners.forget()
+            self._plain.owner_of = (rank, size)
+        with tf.init_scope():
+            like = tf.zeros([numel], tf.float32)
+        return self.owners.get(key, like)
+
     def state_dict(self):
         """This rank's residuals (NumPy copies) keyed by tensor name, with the threshold, rank and
-        number of ranks they belong to (the PyTorch binding's layout). Residuals are per rank: save
-        one per rank. Eager only."""
-        return state.make(self._threshold, *rank_size(), self.residuals.state_dict())
+        number of ranks they belong to (the PyTorch binding's layout), and its scatter owners'
+        residuals keyed by bucket. Residuals are per rank: save one per rank. Eager only."""
+        return state.make(self._threshold, *rank_size(), self.residuals.state_dict(),
+                          self.owners.state_dict())
 
     def load_state_dict(self, saved):
         """Restores residuals saved by :meth:`state_dict` (of either binding: values are arrays).
@@ -291,9 +184,15 @@ class TwoBitCompressor(Compressor, tf.Module):
         residuals = state.residuals_to_load(saved, self._threshold, *rank_size())
         if residuals is None:
             self.residuals.reset()
+            self.owners.reset()
+            self._plain.owner_of = None
         else:
             self.residuals.load_state_dict({k: np.asarray(v) for k, v in residuals.items()})
+            self.owners.load_state_dict({k: np.asarray(v) for k, v in
+                                         saved.get("owner_residuals", {}).items()})
+            self._plain.owner_of = rank_size()
 
     def reset(self):
-        """Sets every residual back to zero."""
+        """Sets every residual back to zero, the scatter owners' too."""
         self.residuals.reset()
+        self.owners.reset()

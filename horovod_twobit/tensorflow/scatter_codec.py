@@ -1,0 +1,221 @@
+"""The codec of the scatter exchange (:mod:`horovod_twobit.scatter_wire`) in TF ops, eagerly or
+inside ``tf.function``: the PyTorch binding's ``scatter_codec`` (the same bytes, the same float32
+operations), in three steps.
+
+1. :func:`chunk_payloads`: cuts this rank's allgather payload (what ``Exchange`` or
+   ``BucketExchange`` encoded) into N chunk payloads, one per owner, with their splits.
+2. :func:`owner_reduce`: from what the ``alltoall`` delivered, checks every sender's chunk header,
+   sums the N chunks of this rank's chunk in rank order and writes the phase-2 payload: count planes
+   (numeric threshold) or the sum re-encoded with the owner's residual ("auto").
+3. :func:`finish_reduced`: from what the ``allgather`` delivered, decodes every owner's chunk into
+   the result and computes this rank's new residual.
+
+Checks are decided by TF ops from the received bytes alone, so every rank decides alike; only a
+failing check sends the bytes to the host, where :mod:`horovod_twobit.scatter_wire` raises the same
+:class:`~horovod_twobit.wire.PayloadMismatchError` on every rank (in a graph: inside the
+``tf.errors.UnknownError`` that carries it, as :mod:`communicator` explains). What must wait for a
+check takes its result as data, and nothing before it can fail on a buffer of the wrong size.
+"""
+
+import functools
+
+import numpy as np
+import tensorflow as tf
+
+from .. import scatter_wire as sw
+from .. import wire
+from . import codec
+from .bucket import grouped_levels
+
+
+def guard(ok, host, inputs):
+    """A boolean tensor, True once ``ok`` holds; else ``host(*inputs as NumPy)`` raises."""
+    if tf.executing_eagerly():
+        if not bool(ok):
+            host(*[np.asarray(x) for x in inputs])
+        return tf.constant(True)
+    return tf.cond(ok, lambda: tf.constant(True), lambda: tf.reshape(tf.numpy_function(
+        lambda *a: np.bool_(host(*a) or True), inputs, tf.bool, stateful=True), []))
+
+
+def fitted(flat, need):
+    """``flat`` cut or zero-padded to ``need`` words (nothing fails on a wrong size)."""
+    return tf.reshape(tf.pad(flat[:need], [[0, tf.maximum(0, need - tf.size(flat))]]), [need])
+
+
+def _parts(layout, payload):
+    """(member flag words, segment magnitudes as int32, packed words) of an allgather payload
+    (statically sliced): see ``torch.scatter_codec._parts``."""
+    if layout.single:
+        flags = tf.bitwise.bitwise_and(payload[1:2], wire.FLAG_NONFINITE)  # byte 0: member 0
+        if layout.auto and not layout.mag_words:
+            return flags, payload[4:5], payload[layout.body:]
+        return flags, payload[layout.head_words:layout.body], payload[layout.body:]
+    return (payload[wire.BUCKET_HEADER_WORDS:layout.head_words],
+            payload[layout.head_words:layout.body], payload[layout.body:])
+
+
+def chunk_payloads(chunks, payload, threshold):
+    """(the alltoall's send buffer, its splits as an int32 constant): chunk c of this rank's
+    ``payload`` with its header, for owner c."""
+    layout = chunks.layout
+    flags, mags, words = _parts(layout, payload)
+    nonfinite = tf.bitwise.bitwise_and(payload[1:2], wire.FLAG_NONFINITE)
+    pieces = []
+    for c in range(chunks.nranks):
+        a, b = chunks.seg_ranges[c]
+        head = chunks.header(c, threshold)
+        pieces += [tf.constant(head[:1], tf.int32),
+                   tf.bitwise.bitwise_or(nonfinite, head[1]), tf.constant(head[2:], tf.int32),
+                   flags, mags[a:b] if layout.auto else mags[:0],
+                   words[chunks.word_starts[c]:chunks.word_starts[c + 1]]]
+    splits = tf.constant([chunks.sent_words(c) for c in range(chunks.nranks)], tf.int32)
+    return tf.concat(pieces, 0), splits
+
+
+def _check_chunks(chunks, names, owner, received, splits):
+    """Raises PayloadMismatchError (the same on every rank) for what the alltoall delivered."""
+    splits = [int(s) for s in np.asarray(splits).reshape(-1)]
+    flat = [int(x) for x in np.asarray(received).reshape(-1)]
+    offs = [sum(splits[:s]) for s in range(len(splits))]
+    headers = [sw.parse_header(flat[o:o + s]) for o, s in zip(offs, splits)]
+    sw.check_headers(headers, names, owner, chunks.nranks)
+    sw.check_lengths(splits, [chunks.sent_words(owner)] * chunks.nranks, names, "chunk")
+
+
+def _check_reduced(chunks, names, gathered):
+    flat = [int(x) for x in np.asarray(gathered).reshape(-1)]
+    lengths = [chunks.reduced_words(c) for c in range(chunks.nranks)]
+    sw.check_lengths([len(flat)], [sum(lengths)], names, "reduced")
+    raise wire.PayloadMismatchError("tensor %r: owners sent malformed reduced chunks" % names[0])
+
+
+def piece_values(chunks, c, per_piece, per_word=False):
+    """One value per piece of chunk ``c`` repeated over the piece's words (``per_word``) or over
+    the chunk's values."""
+    words = np.asarray([p[4] for p in chunks.pieces[c]], np.int32)
+    if per_word:
+        return tf.repeat(per_piece, words, axis=-1)
+    return tf.repeat(per_piece, 16 * words, axis=-1)[..., :chunks.values(c)]
+
+
+def owner_reduce(chunks, received, splits, names, owner, threshold, rule, residual=None):
+    """From the alltoall's output ``received`` (one chunk payload per sender, ``splits`` words
+    each): (the phase-2 payload of chunk ``owner``, the members' bad flags (a bool tensor, the
+    same on every rank), the owner's new residual ("auto", else None)). ``residual``: the owner's
+    float32 residual of the chunk's values ("auto"); it keeps its value for pieces of members
+    that held NaN or Inf, and wherever the check failed."""
+    N, layout = chunks.nranks, chunks.layout
+    sent = chunks.sent_words(owner)
+    rows = tf.reshape(fitted(received, N * sent), [N, sent])
+    head = chunks.header(owner, threshold)
+    got = tf.concat([rows[:, :1], tf.bitwise.bitwise_and(rows[:, 1:2], ~wire.FLAG_NONFINITE),
+                     rows[:, 2:sw.HEADER_WORDS]], 1)
+    ok = tf.logical_and(tf.reduce_all(tf.equal(got, tf.constant([head], tf.int32))),
+                        tf.logical_and(tf.equal(tf.size(received), N * sent),
+                                       tf.reduce_all(tf.equal(splits, sent))))
+    checked = guard(ok, functools.partial(_check_chunks, chunks, names, owner),
+                     [received, splits])
+    fw, nm, wc = chunks.flag_words, chunks.mags(owner), chunks.words(owner)
+    body = sw.HEADER_WORDS + fw
+    raw = tf.reshape(tf.bitcast(rows[:, sw.HEADER_WORDS:body], tf.uint8), [N, 4 * fw])
+    bad = tf.logical_or(tf.reduce_any(tf.not_equal(raw[:, :layout.members], 0), 0),
+                        tf.logical_not(checked))
+    words = rows[:, body + nm:]
+    reduced = tf.constant(chunks.header(owner, threshold, reduced=True), tf.int32)
+    if not layout.auto:
+        sign = tf.zeros([16 * wc], tf.int32)
+        for i in range(N):
+            c = tf.cast(codec.unpack(words[i], 16 * wc), tf.int32)
+            sign += tf.where(tf.equal(c, wire.CODE_POS), 1, tf.where(tf.equal(c, wire.CODE_NEG), -1, 0))
+        payload = tf.concat([reduced, pack_counts(sign + N, chunks.bits)], 0)
+        return tf.where(checked, payload, tf.zeros_like(payload)), bad, None
+    n = chunks.values(owner)
+    mags = piece_values(chunks, owner, tf.bitcast(rows[:, body:body + nm], tf.float32), True)
+    S = None
+    for i in range(N):  # the decoded chunks summed in rank order (see codec.accumulate)
+        c, t = codec.unpack(words[i], n), tf.repeat(mags[i], 16)[:n]
+        S = codec.values(c, t) if S is None else codec.accumulate(S, c, t)
+    if S is None or not n:
+        S = tf.zeros([n], tf.float32)
+    before = tf.reshape(residual, [-1])
+    ts, vs = piece_levels(chunks.pieces[owner], before + S, rule)
+    t, v = piece_values(chunks, owner, ts), piece_values(chunks, owner, vs)
+    packed = codec.pack(codec.codes(before + S, t))
+    keep = piece_values(chunks, owner, tf.gather(bad, np.asarray([p[1] for p in chunks.pieces[owner]], np.int32)))
+    new = tf.where(tf.logical_or(keep, tf.logical_not(checked)), before,
+                   codec.committed(S, before, t, v))
+    payload = tf.concat([reduced, tf.bitcast(vs, tf.int32), packed], 0)
+    return tf.where(checked, payload, tf.zeros_like(payload)), bad, new
+
+
+def piece_levels(pieces, x, rule):
+    """Automatic (thresholds, magnitudes) of the chunk-local ``x`` = r + S over each piece (a
+    block cut to the chunk), equal-length pieces in one reduction, each exactly as one tensor."""
+    by_len = {}
+    for i, p in enumerate(pieces):
+        by_len.setdefault(p[3], []).append(i)
+    groups = []
+    for length, ids in sorted(by_len.items()):
+        first = pieces[ids[0]][2]
+        run = all(pieces[k][2] == first + j * length for j, k in enumerate(ids))
+        groups.append((length, ids, first if run else None))
+    return grouped_levels(groups, [p[2] for p in pieces], x, rule)
+
+
+def pack_counts(u, bits):
+    """Bit planes of the unsigned counts ``u`` (int32, 0..2N, 16 values a word): ``bits`` planes
+    of ceil(n / 32) int32 words, plane j holding bit j of value k at bit k % 32 of word k // 32
+    (:func:`horovod_twobit.reference_scatter.pack_counts`)."""
+    u = tf.reshape(tf.pad(u, [[0, (-u.shape[0]) % 32]]), [-1, 32])
+    weights = tf.bitwise.left_shift(tf.ones([32], tf.int32), tf.range(32, dtype=tf.int32))
+    planes = [tf.reduce_sum(tf.bitwise.bitwise_and(tf.bitwise.right_shift(u, j), 1) * weights, 1)
+              for j in range(bits)]
+    return tf.concat(planes, 0) if planes else tf.zeros([0], tf.int32)
+
+
+def unpack_counts(words, nvalues, bits, nranks):
+    """The signed counts (float32) of the first ``nvalues`` values of :func:`pack_counts` words."""
+    planes = tf.reshape(words, [bits, -1])
+    shifts = tf.range(32, dtype=tf.int32)
+    u = tf.zeros([planes.shape[1], 32], tf.int32)
+    for j in range(bits):
+        u += tf.bitwise.left_shift(tf.bitwise.bitwise_and(
+            tf.bitwise.right_shift(planes[j][:, None], shifts), 1), j)
+    return tf.cast(tf.reshape(u, [-1])[:nvalues] - nranks, tf.float32)
+
+
+def finish_reduced(chunks, gathered, names, threshold, bad, divisor, scale):
+    """The flat float32 result (``layout.values`` long) from the allgather's output ``gathered``
+    (every owner's phase-2 payload in owner order): each chunk decoded, divided by ``divisor`` (a
+    0-d float32 tensor, never a constant: see ``communicator.Exchange.finish``), times ``scale``;
+    NaN for the members in ``bad`` (bools, from :func:`owner_reduce`). Also returns, per value,
+    whether this rank's residual must keep its value (a bad member, or a failed check)."""
+    layout, N = chunks.layout, chunks.nranks
+    lengths = [chunks.reduced_words(c) for c in range(N)]
+    need, offs = sum(lengths), [sum(lengths[:c]) for c in range(N)]
+    flat = fitted(gathered, need)
+    heads = np.concatenate([chunks.header(c, threshold, reduced=True) for c in range(N)])
+    got = tf.gather(flat, np.concatenate([np.arange(o, o + sw.HEADER_WORDS) for o in offs]))
+    ok = tf.logical_and(tf.equal(tf.size(gathered), need),
+                        tf.reduce_all(tf.equal(got, tf.constant(heads, tf.int32))))
+    checked = guard(ok, functools.partial(_check_reduced, chunks, names), [gathered])
+    parts = []
+    for c, o in enumerate(offs):
+        body, n, wc = flat[o + sw.HEADER_WORDS:o + lengths[c]], chunks.values(c), chunks.words(c)
+        if not n:
+            continue
+        if layout.auto:
+            k = len(chunks.pieces[c])
+            mags = piece_values(chunks, c, tf.bitcast(body[:k], tf.float32), True)
+            part = codec.values(codec.unpack(body[k:], n), tf.repeat(mags, 16)[:n])
+        else:
+            part = unpack_counts(body, n, chunks.bits, N) * tf.constant(threshold, tf.float32)
+        parts.append(part)
+    out = tf.concat(parts, 0) if parts else tf.zeros([0], tf.float32)
+    out = out / divisor
+    if scale != 1.0:
+        out = out * tf.constant(scale, tf.float32)
+    keep = tf.repeat(tf.logical_or(bad, tf.logical_not(checked)),
+                     16 * np.asarray(layout.member_words))[:layout.values]
+    return tf.where(keep, tf.constant(float("nan"), tf.float32), out), keep
