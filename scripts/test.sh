@@ -5,4 +5,4 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/scripts/setup.sh"
 cd "$REPO"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-exec "${HOROVOD_TWOBIT_VENV:-$REPO/.venv}/bin/python" -m pytest -v -rs "$@" tests
+exec "${HOROVOD_TWOBIT_VENV:-$REPO/.venv}/bin/python" -m pytest -v -rs --durations=30 "$@" tests

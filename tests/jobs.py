@@ -1,6 +1,7 @@
 """Runs real ``horovodrun`` jobs for the tests: no mocked Horovod anywhere."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -64,3 +65,33 @@ def run(np_, script, *args, mpi=False, timeout=240, env=None, check=True):
     if check and res.returncode != 0:
         pytest.fail("horovodrun %s failed: %r" % (script, res))
     return res
+
+
+_CASE = re.compile(r"\b(RAISED|OK|NO ERROR) rank (\d+) case (\S+?)(?: after ([\d.]+)s)?(?:: (.*))?$")
+
+
+class Outcome:
+    """What one rank printed for one case: ``kind`` (RAISED, OK or NO ERROR), ``seconds`` and
+    ``message`` (``Type: text``) for a raise."""
+
+    def __init__(self, kind, seconds, message):
+        self.kind, self.seconds, self.message = kind, seconds, message
+
+    def __repr__(self):
+        return "%s after %ss: %s" % (self.kind, self.seconds, self.message)
+
+
+def case_outcomes(res, np_, cases):
+    """{case: [Outcome of rank 0, of rank 1, ...]} from a job of tests/workers/*_errors.py that
+    prints ``RAISED|OK|NO ERROR rank R case C ...`` once per rank and case. Fails naming the first
+    rank that printed nothing for a case (it hung, or died)."""
+    seen = {}
+    for line in res.output.splitlines():
+        m = _CASE.search(line)
+        if m:
+            kind, rank, case, seconds, message = m.groups()
+            seen.setdefault((case, int(rank)), Outcome(kind, seconds and float(seconds), message))
+    missing = [(c, r) for c in cases for r in range(np_) if (c, r) not in seen]
+    if missing:
+        pytest.fail("rank %d printed nothing for case %s: %r" % (missing[0][1], missing[0][0], res))
+    return {c: [seen[(c, r)] for r in range(np_)] for c in cases}

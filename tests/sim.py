@@ -47,3 +47,25 @@ def grads(n, t, steps, seed):
     rng = np.random.default_rng(seed)
     return [(rng.standard_normal(n) * t * rng.choice([0.1, 0.7, 3.0], n)).astype(np.float32)
             for _ in range(steps)]
+
+
+def check_scatter_nonfinite(ranks, w, threshold):
+    """The "nf" tensor of a scatter job (3 steps, NaN on some rank at step 1) against the reference
+    workers ``w``: same result on every rank, NaN everywhere at step 1 with no residual changed
+    (the owners' included), and owners' residuals only with "auto"."""
+    for step in range(3):
+        want = w.allreduce("nf", [r["nf_in/%d" % step] for r in ranks])
+        for rank, r in enumerate(ranks):
+            np.testing.assert_array_equal(r["nf_out/%d" % step], want)
+            np.testing.assert_array_equal(r["nf_res_after/%d" % step], w.residuals[rank]["nf"])
+            if threshold == "auto":
+                np.testing.assert_array_equal(r["nf_own_after/%d" % step],
+                                              w.owner_residuals[rank]["nf"])
+            else:
+                assert r["nf_own_after/%d" % step].size == 0
+            if step == 1:
+                assert np.isnan(r["nf_out/1"]).all()
+                for k in ("res", "own"):
+                    np.testing.assert_array_equal(r["nf_%s_after/1" % k], r["nf_%s_before/1" % k])
+    if threshold == "auto":
+        assert any(np.abs(r["nf_own_after/2"]).sum() > 0 for r in ranks)

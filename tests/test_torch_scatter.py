@@ -69,22 +69,7 @@ def test_scatter_matches_reference(tmp_path, np_, threshold):
                            prescale=0.5, postscale=3.0)
         for r in ranks:
             np.testing.assert_array_equal(r["sum_out/%d" % step], want)
-    for step in range(3):
-        want = w.allreduce("nf", [r["nf_in/%d" % step] for r in ranks])
-        for rank, r in enumerate(ranks):
-            np.testing.assert_array_equal(r["nf_out/%d" % step], want)
-            np.testing.assert_array_equal(r["nf_res_after/%d" % step], w.residuals[rank]["nf"])
-            if threshold == "auto":
-                np.testing.assert_array_equal(r["nf_own_after/%d" % step],
-                                              w.owner_residuals[rank]["nf"])
-            else:
-                assert r["nf_own_after/%d" % step].size == 0
-            if step == 1:
-                assert np.isnan(r["nf_out/1"]).all()
-                for k in ("res", "own"):
-                    np.testing.assert_array_equal(r["nf_%s_after/1" % k], r["nf_%s_before/1" % k])
-    if threshold == "auto":
-        assert any(np.abs(r["nf_own_after/2"]).sum() > 0 for r in ranks)
+    sim.check_scatter_nonfinite(ranks, w, threshold)
     for step in range(2):  # waited on in a different order on every rank: no rank starves another
         for n in ("oa", "ob"):
             want = w.allreduce(n, [r["order_in/%s/%d" % (n, step)] for r in ranks])
@@ -127,38 +112,45 @@ CASES = {
 }
 
 
+EXCHANGE = r"tensor '[^']+'.*: ranks \[(0|1, 2|1)\] use exchange='scatter' for it and ranks \[(0|1|1, 2)\] exchange='allgather'"
+MIXED = {2: ["exchange", "exchange_bucket"], 3: ["exchange", "auto_exchange"]}
+
+
+@pytest.fixture(scope="module")
+def error_jobs():
+    """One job per number of ranks runs every case in turn (tests/workers/torch_errors.py): the
+    mismatches with exchange="scatter", then ranks mixing exchanges for one tensor."""
+    done = {}
+
+    def outcomes(np_):
+        if np_ not in done:
+            cases = sorted(CASES) + MIXED[np_]
+            res = jobs.run(np_, "torch_errors.py", "--exchange", "scatter", *cases, timeout=300)
+            done[np_] = jobs.case_outcomes(res, np_, cases)
+        return done[np_]
+    return outcomes
+
+
+def _same_error_everywhere(outcomes, pattern):
+    for rank, o in enumerate(outcomes):
+        assert o.kind == "RAISED", "rank %d: %r" % (rank, o)
+        assert o.message.startswith("PayloadMismatchError: ") and re.search(pattern, o.message), o
+        assert o.seconds < 30, o
+    assert len({o.message for o in outcomes}) == 1, outcomes  # the same message on every rank
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_mismatch_raises_on_every_rank(case, np_):
-    res = jobs.run(np_, "torch_errors.py", case, "scatter", timeout=120)
-    lines = set()
-    for rank in range(np_):
-        line = [l for l in res.output.splitlines() if "RAISED rank %d " % rank in l]
-        assert line, "rank %d did not raise: %r" % (rank, res)
-        assert "PayloadMismatchError" in line[0] and re.search(CASES[case], line[0]), line[0]
-        lines.add(line[0].split(": ", 1)[1])
-    assert len(lines) == 1  # the same message on every rank
-    assert res.seconds < 60
+def test_mismatch_raises_on_every_rank(error_jobs, case, np_):
+    _same_error_everywhere(error_jobs(np_)[case], CASES[case])
 
 
-EXCHANGE = r"tensor '[^']+'.*: ranks \[(0|1, 2|1)\] use exchange='scatter' for it and ranks \[(0|1|1, 2)\] exchange='allgather'"
-
-
-@pytest.mark.parametrize("case,np_", [("exchange", 2), ("exchange", 3), ("exchange_bucket", 2),
-                                      ("auto_exchange", 3)])
-def test_mixed_exchanges_raise_on_every_rank(case, np_):
+@pytest.mark.parametrize("case,np_", [(c, n) for n in sorted(MIXED) for c in MIXED[n]])
+def test_mixed_exchanges_raise_on_every_rank(error_jobs, case, np_):
     """Ranks that use different exchanges for one tensor submit different collectives (alltoall,
     allgather): each scatter bucket's first step announces its exchange under the allgather
     exchange's name, so every rank raises the same error instead of waiting forever."""
-    res = jobs.run(np_, "torch_errors.py", case, timeout=120)
-    lines = set()
-    for rank in range(np_):
-        line = [l for l in res.output.splitlines() if "RAISED rank %d " % rank in l]
-        assert line, "rank %d did not raise: %r" % (rank, res)
-        assert "PayloadMismatchError" in line[0] and re.search(EXCHANGE, line[0]), line[0]
-        lines.add(line[0].split(": ", 1)[1])
-    assert len(lines) == 1, lines
-    assert res.seconds < 60
+    _same_error_everywhere(error_jobs(np_)[case], EXCHANGE)
 
 
 @pytest.mark.parametrize("threshold", ["0.1", "auto"])
