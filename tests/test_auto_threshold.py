@@ -25,6 +25,40 @@ def test_auto_threshold_matches_reference(monkeypatch, rule, path, n):
     assert kernels.auto_threshold(torch.from_numpy(r), torch.from_numpy(g), rule).item() == want[0]
 
 
+def _spread(rng, shape):
+    """float32 values whose magnitudes span 2^-60 to 2^60 (float64 sums of them round), with
+    exact zeros and subnormals among them."""
+    x = rng.standard_normal(shape) * np.exp2(rng.uniform(-60, 60, shape))
+    x[rng.random(shape) < 0.05] = 0.0
+    x[rng.random(shape) < 0.02] = 1e-40
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms", "lsq*2"])
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_levels_of_widely_spread_magnitudes(monkeypatch, rule, path):
+    """Summation orders differ (the reference's pairwise sums, the kernels' vector lanes and
+    broadcasts), yet the levels are the reference's bits: each is rounded to float32 once."""
+    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    rng = np.random.default_rng(2024)
+    for rows, n in [(200, 64), (60, 1000), (3, 40000), (1, 7)]:
+        r, g = _spread(rng, (rows, n)), _spread(rng, (rows, n))
+        x = r + g
+        if rows > 1:  # a row of one huge value, a row of zeros
+            x[0] = 0.0
+            x[1, :-1], x[1, -1] = 1e-30, 1e38
+            r, g = x, np.zeros_like(x)
+        t, v = kernels.auto_levels(torch.from_numpy(r), torch.from_numpy(g), rule)
+        want = np.array([ref.auto_levels(row, rule) for row in x], np.float32)
+        np.testing.assert_array_equal(t.numpy().view(np.int32), want[:, 0].view(np.int32))
+        np.testing.assert_array_equal(v.numpy().view(np.int32), want[:, 1].view(np.int32))
+    x = _spread(rng, 70001)
+    t, v = kernels.block_levels(torch.from_numpy(x), torch.zeros(70001), 256, rule)
+    tb, vb = ref.block_levels(x, 256, rule)
+    np.testing.assert_array_equal(t.numpy().view(np.int32), tb.view(np.int32))
+    np.testing.assert_array_equal(v.numpy().view(np.int32), vb.view(np.int32))
+
+
 def test_lsq_sends_the_least_squares_magnitude():
     """lsq: the support is |x| >= t, and the magnitude sent is the mean of |x| over it, which
     beats magnitude = threshold; every other rule sends the threshold itself."""

@@ -11,7 +11,7 @@ import torch
 from horovod_twobit import reference as ref
 from horovod_twobit import wire
 from horovod_twobit.layout import Layout, assign_buckets
-from horovod_twobit.torch import codec
+from horovod_twobit.torch import codec, kernels
 
 SIZES = [1, 15, 16, 17, 40, 480, 1000, 9216, 70003]
 
@@ -77,6 +77,39 @@ def test_bucket_matches_each_tensor_alone(threshold, block, blocks, nranks, devi
                 mask[s:s + n] = False
             assert not rs[rank][mask].any() and not outs[rank][mask].any()
     assert sent > 0
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the reference, on Inf
+@pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms", "lsq*2"])
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_segment_levels_are_each_blocks_levels(monkeypatch, rule, path):
+    """codec.segment_levels gathers a bucket's segments into tables (small groups of different
+    lengths share one, rows padded); each segment's levels are still the reference's for that
+    block alone, with empty members, zeros, NaN and Inf among them, and for a tensor alone."""
+    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    sizes = [0, 10, 32, 33, 64, 100, 200, 257, 1000, 9216, 12288, 4096, 0, 70003, 5]
+    rng = np.random.default_rng(5)
+    for step in range(2):
+        for layout in (Layout(sizes, True, 64, 64), Layout(sizes, True, 16, 0),
+                       Layout([70003], True, 64, 64), Layout([1000], True, 64, 1)):
+            xs = [(rng.standard_normal(n) * np.exp2(rng.uniform(-20, 20, n))).astype(np.float32)
+                  for n in layout.numels]
+            if layout.members > 1:
+                xs[2][:] = 0.0
+                xs[3][7], xs[4][0], xs[6][:] = np.nan, np.inf, 1e-42
+            r = torch.from_numpy(rng.standard_normal(layout.values).astype(np.float32))
+            g = torch.zeros(layout.values)
+            for s, x, n in zip(layout.starts, xs, layout.numels):
+                g[s:s + n] = torch.from_numpy(x) - r[s:s + n]
+            r, g = (r, g) if step == 0 else (g, r)  # r + g == g + r, bit for bit
+            t, v = codec.segment_levels(layout, r, g, rule)
+            want = []
+            for s, n, b in zip(layout.starts, layout.numels, layout.blocks):
+                x = (r[s:s + n] + g[s:s + n]).numpy()
+                want += zip(*ref.block_levels(x, b, rule)) if b else [ref.auto_levels(x, rule)]
+            want = np.array(want, np.float32).reshape(-1, 2)
+            np.testing.assert_array_equal(t.numpy().view(np.int32), want[:, 0].view(np.int32))
+            np.testing.assert_array_equal(v.numpy().view(np.int32), want[:, 1].view(np.int32))
 
 
 def test_one_member_sends_the_single_tensor_payload():

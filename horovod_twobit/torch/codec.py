@@ -5,7 +5,7 @@ live in :mod:`horovod_twobit.torch.kernels`."""
 import torch
 
 from .. import wire
-from . import kernels
+from . import kernels, levels
 
 
 def _check(grad, residual):
@@ -89,14 +89,6 @@ class _OnDevice:
         def ints(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype, device=device)
         self.seg_words = ints(layout.seg_words) if layout.auto else None
-        self.groups = []
-        for length, ids, start in layout.groups:
-            idx = None
-            if start is None and length:
-                idx = torch.cat([torch.arange(layout.seg_starts[k], layout.seg_starts[k] + length,
-                                              device=device) for k in ids])
-            whole = ids == list(range(layout.segments))
-            self.groups.append((length, len(ids), start, idx, None if whole else ints(ids)))
         offs = layout.member_offsets()
         self.word_starts = ints([a for a, _ in offs])
         self.word_ends = ints([a + w for a, w in offs])
@@ -118,28 +110,7 @@ def _on(layout, device):
     return d
 
 
-def segment_levels(layout, r, g, rule):
-    """(thresholds, magnitudes) of every segment of an "auto" layout (each member's blocks), two
-    1-D float32 tensors: equal-length segments are reduced together, one call per length, each
-    exactly as :func:`kernels.auto_levels` reduces one tensor or block."""
-    on = _on(layout, g.device)
-    ts = torch.empty(layout.segments, dtype=torch.float32, device=g.device)
-    vs = torch.empty_like(ts)
-    for length, k, start, idx, ids in on.groups:
-        if not length:
-            t = v = torch.ones(k, dtype=torch.float32, device=g.device)
-        elif idx is None:
-            t, v = kernels.auto_levels(r[start:start + k * length].view(k, length),
-                                       g[start:start + k * length].view(k, length), rule)
-        else:
-            t, v = kernels.auto_levels(r.index_select(0, idx).view(k, length),
-                                       g.index_select(0, idx).view(k, length), rule)
-        if ids is None:
-            ts, vs = t, v
-        else:
-            ts.index_copy_(0, ids, t)
-            vs.index_copy_(0, ids, v)
-    return ts, vs
+segment_levels = levels.segment_levels
 
 
 def _per_word(layout, on, seg):

@@ -67,40 +67,7 @@ def _commit_body(r, g, t, v):
     r.copy_(torch.where(x >= t, x - v, torch.where(x <= -t, x + v, x)))
 
 
-def _abs_sum_body(r, g):
-    """sum |r + g| in float64 over the last dimension (the automatic threshold's 'mean' rule)."""
-    return (r + g.to(torch.float32)).abs().to(torch.float64).sum(-1)
-
-
-def _sq_sum_body(r, g):
-    """sum (r + g)^2 in float64 over the last dimension (the 'rms' rule)."""
-    x = (r + g.to(torch.float32)).to(torch.float64)
-    return (x * x).sum(-1)
-
-
-OPT_MULTIPLES = wire.OPT_MULTIPLES
-
-
-def _ternary_errors_body(r, g, ts):
-    """Squared error of the ternary code for each threshold in the float64 ``ts`` (last dimension:
-    one per multiple; leading ones: one row of r and g each), summed over the last dimension."""
-    a = (r + g.to(torch.float32)).abs().to(torch.float64)
-    return torch.stack([torch.where(a >= ts[..., i:i + 1], (a - ts[..., i:i + 1]) ** 2, a * a).sum(-1)
-                        for i in range(len(OPT_MULTIPLES))], -1)
-
-
-def _lsq_body(r, g, ts):
-    """(count, sum) of |r + g| where |r + g| >= t, for each t in the float64 ``ts`` (as above).
-    All thresholds in one broadcast comparison: a handful of ops whatever their number (eagerly,
-    several ops per threshold before; compiled, still one loop)."""
-    a = (r + g.to(torch.float32)).abs().to(torch.float64).unsqueeze(-2)  # (..., 1, n)
-    sent = a >= ts.unsqueeze(-1)  # (..., multiples, n)
-    return torch.stack([sent.to(torch.float64).sum(-1), torch.where(sent, a, 0.0).sum(-1)], -1)
-
-
-_BODIES = {"codes": _codes_body, "commit": _commit_body,
-           "abs_sum": _abs_sum_body, "sq_sum": _sq_sum_body, "errors": _ternary_errors_body,
-           "lsq": _lsq_body}
+_BODIES = {"codes": _codes_body, "commit": _commit_body}  # levels.py adds its own
 
 
 def _fn(name, key=None):
@@ -132,15 +99,9 @@ def _run(name, *args):
     return _BODIES[name](*args)
 
 
-# The lsq reduction does 18 sums per value: compiled, it beats the eager body from a few thousand
-# values (measured on a 2-core CPU: 0.9 against 3.2 ms at 39 K values), far below the other passes.
-_MIN_DIVISOR = {"lsq": 8}
-
-
 def _call(name, numel, *args):
-    """The compiled body for tensors of at least COMPILE_MIN_NUMEL values (a fraction of it for the
-    reductions in _MIN_DIVISOR), else the eager one."""
-    if numel >= COMPILE_MIN_NUMEL // _MIN_DIVISOR.get(name, 1) and not _disabled:
+    """The compiled body for tensors of at least COMPILE_MIN_NUMEL values, else the eager one."""
+    if numel >= COMPILE_MIN_NUMEL and not _disabled:
         return _run(name, *args)
     return _BODIES[name](*args)
 
@@ -164,80 +125,10 @@ def _at(level, i):
     return level[i] if level.dim() else level
 
 
-AUTO_RULES, DEFAULT_RULE = wire.AUTO_RULES, wire.DEFAULT_RULE
-_FLT_MIN = torch.finfo(torch.float32).tiny
-
-
-def auto_levels(r, g, rule=DEFAULT_RULE):
-    """``(threshold, magnitude)`` for r + g, two 0-d float32 tensors on their device (no host
-    sync): values at or beyond the threshold are sent as +-magnitude. The rules are those of
-    :func:`horovod_twobit.reference.auto_levels` (``lsq``: the least-squares magnitude of the
-    error-minimising support; ``opt``, ``mean``, ``rms``: magnitude = threshold), with sums in
-    float64, each value rounded to float32 once and never below the smallest normal float32 (so
-    zeros are never sent). Matches the reference bit for bit. For 2-D r and g, one pair per row
-    (two 1-D tensors)."""
-    n = g.shape[-1]
-    if g.numel() == 0:
-        one = torch.ones(g.shape[:-1], dtype=torch.float32, device=g.device)
-        return one, one
-    rule, k = wire.parse_rule(rule)
-    if rule == "mean":
-        t = v = _call("abs_sum", g.numel(), r, g) / n
-    elif rule in ("opt", "lsq"):
-        m = _call("abs_sum", g.numel(), r, g) / n
-        ts = m.unsqueeze(-1) * torch.tensor(OPT_MULTIPLES, dtype=torch.float64, device=g.device)
-        if rule == "opt":
-            best = torch.argmin(_call("errors", g.numel(), r, g, ts), -1, keepdim=True)
-            t = v = ts.gather(-1, best).squeeze(-1)
-        else:
-            cs = _call("lsq", g.numel(), r, g, ts)
-            count, total = cs[..., 0], cs[..., 1]
-            has = count > 0
-            score = torch.where(has, total * total / torch.where(has, count, 1.0), 0.0)
-            best = torch.argmax(score, -1, keepdim=True)
-            t = ts.gather(-1, best).squeeze(-1)
-            count, total = count.gather(-1, best).squeeze(-1), total.gather(-1, best).squeeze(-1)
-            v = torch.where(count > 0, total / torch.where(count > 0, count, 1.0), t)
-    else:  # "rms"
-        t = v = (_call("sq_sum", g.numel(), r, g) / n).sqrt()
-    out = []
-    for y in (t, v):
-        y = (y * float(k) if k else y).to(torch.float32)
-        out.append(torch.where(y < _FLT_MIN, torch.full_like(y, _FLT_MIN), y))
-    return tuple(out)
-
-
-def block_levels(r, g, block, rule=DEFAULT_RULE):
-    """Per-block :func:`auto_levels` of 1-D r + g: ``(thresholds, magnitudes)``, two 1-D float32
-    tensors of ceil(n / block) values (the last block may be shorter), as
-    :func:`horovod_twobit.reference.block_levels`."""
-    n = g.numel()
-    full = n - n % block
-    ts, vs = [], []
-    if full:
-        t, v = auto_levels(r[:full].view(-1, block), g[:full].view(-1, block), rule)
-        ts.append(t)
-        vs.append(v)
-    if full < n:
-        t, v = auto_levels(r[full:], g[full:], rule)
-        ts.append(t.reshape(1))
-        vs.append(v.reshape(1))
-    if not ts:
-        empty = torch.empty(0, dtype=torch.float32, device=g.device)
-        return empty, empty
-    return torch.cat(ts), torch.cat(vs)
-
-
 def per_word(levels, block, numel):
     """Per-block values repeated for each packed word of their block: 1-D, ceil(numel / 16) long.
     The kernels take these wherever they take a threshold or magnitude."""
     return levels.repeat_interleave(block // wire.VALUES_PER_WORD)[:wire.num_words(numel)]
-
-
-def auto_threshold(r, g, rule=DEFAULT_RULE):
-    """The threshold of :func:`auto_levels` (for ``opt``, ``mean`` and ``rms`` also the
-    magnitude), as a 0-d float32 tensor."""
-    return auto_levels(r, g, rule)[0]
 
 
 PACK_CHUNK = 1 << 22  # values per codes pass: 4 MB of codes, written and read back from cache
@@ -410,3 +301,8 @@ def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, 
         dest[m:].copy_(_decode_body(last, [_at(x, w) for x in ts], _shifts(dev), divisor,
                                     scale)[:n - m].to(dest.dtype))
     return dest
+
+
+# The automatic levels live in levels.py (which adds its bodies to _BODIES); their names stay here.
+from .levels import (AUTO_RULES, DEFAULT_RULE, OPT_MULTIPLES, auto_levels,  # noqa: E402,F401
+                     auto_threshold, block_levels)
