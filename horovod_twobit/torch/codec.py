@@ -89,6 +89,7 @@ class _OnDevice:
         def ints(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype, device=device)
         self.seg_words = ints(layout.seg_words) if layout.auto else None
+        self.tables = levels.Tables(layout, device) if layout.auto else None
         offs = layout.member_offsets()
         self.word_starts = ints([a for a, _ in offs])
         self.word_ends = ints([a + w for a, w in offs])
@@ -110,7 +111,10 @@ def _on(layout, device):
     return d
 
 
-segment_levels = levels.segment_levels
+def segment_levels(layout, r, g, rule):
+    """(thresholds, magnitudes) of every segment of an "auto" layout: see
+    :func:`levels.table_levels`."""
+    return levels.table_levels(_on(layout, g.device).tables, r, g, rule)
 
 
 def _per_word(layout, on, seg):

@@ -1,7 +1,8 @@
 """Automatic levels (``threshold="auto"``): the (threshold, magnitude) of r + g, of each block, or
 of each segment of a bucket, as :func:`horovod_twobit.reference.auto_levels` computes them, bit
 for bit. :mod:`horovod_twobit.torch.kernels` re-exports :func:`auto_levels`, :func:`block_levels`
-and :func:`auto_threshold`; :mod:`horovod_twobit.torch.codec` re-exports :func:`segment_levels`.
+and :func:`auto_threshold`; :func:`horovod_twobit.torch.codec.segment_levels` calls
+:func:`table_levels`.
 
 The default rule, ``lsq``, is one body that does all of it for a table of rows: |r + g|, its
 float64 mean m, the candidate thresholds m * OPT_MULTIPLES, the count and float64 sum of |r + g|
@@ -203,8 +204,8 @@ def auto_threshold(r, g, rule=DEFAULT_RULE):
 MERGE_PADDING = 8192
 
 
-class _Tables:
-    """How :func:`segment_levels` lays out one layout's segments on one device, made once: tables
+class Tables:
+    """How :func:`table_levels` lays out one layout's segments on one device, made once: tables
     of (rows, width, lengths, flat start or word indices), one segment a row, one call a table.
 
     A tensor alone reduces its layout's groups (equal-length segments, one run each) where they
@@ -251,14 +252,12 @@ class _Tables:
         self.inverse = None if order == sorted(order) else ints(inverse)
 
 
-def segment_levels(layout, r, g, rule):
+def table_levels(tab, r, g, rule):
     """(thresholds, magnitudes) of every segment of an "auto" layout (each member's blocks), two
     1-D float32 tensors, each segment exactly as :func:`auto_levels` reduces one tensor or block.
-    ``r`` and ``g`` are the layout's flat values (contiguous)."""
-    cache = layout.__dict__.setdefault("_torch_levels", {})
-    tab = cache.get(g.device)
-    if tab is None:
-        tab = cache[g.device] = _Tables(layout, g.device)
+    ``tab`` is the layout's :class:`Tables` on the device of ``r`` and ``g``, its flat values
+    (contiguous); :func:`horovod_twobit.torch.codec.segment_levels` keeps one per layout and
+    device."""
     parts = []
     for k, w, n, at in tab.tables:
         if isinstance(at, int):
