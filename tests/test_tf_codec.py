@@ -65,6 +65,25 @@ def test_unknown_static_shape_in_function():
         np.testing.assert_array_equal(dec(got).numpy(), ref.decode(want, 37, 0.1))
 
 
+def test_residual_made_in_a_trace_costs_no_second_trace():
+    """A residual first used inside a tf.function is made and initialized eagerly, so the function
+    is traced once, not a second time to lift an initializer (tracing is most of a first step)."""
+    from horovod_twobit.tensorflow.residuals import Residuals
+    res, traces = Residuals(), []
+
+    @tf.function
+    def step(g):
+        traces.append(1)
+        r = res.get("x", g)
+        r.assign_add(g)
+        return r.read_value()
+
+    np.testing.assert_array_equal(step(tf.ones([3])).numpy(), [1, 1, 1])
+    np.testing.assert_array_equal(step(tf.ones([3])).numpy(), [2, 2, 2])
+    assert len(traces) == 1
+    assert isinstance(res.variable("x"), tf.Variable) and not res.variable("x").trainable
+
+
 def test_non_finite_values_send_nothing():
     g = np.array([np.nan, np.inf, -np.inf, 0.7], np.float32)
     r_ref = np.zeros(4, np.float32)

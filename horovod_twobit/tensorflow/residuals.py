@@ -6,6 +6,7 @@ import warnings
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 
 class _Plain:
@@ -33,7 +34,8 @@ class Residuals(tf.Module):
     compressor: a ``tf.function`` that captured it keeps working whatever happens later
     (:meth:`reset` and :meth:`load_state_dict` assign values, they never replace variables). It is
     created under ``tf.init_scope()``, so a first use inside a ``tf.function`` (on any trace, not
-    only the first) makes an ordinary eager variable.
+    only the first) makes an ordinary eager variable, initialized there; the function is not
+    traced a second time for it.
 
     Every residual is a checkpoint dependency of this module, saved as ``rank<r>of<n>/<name>``; a
     ``tf.train.Checkpoint`` restored before the residuals exist fills each one in when it is
@@ -87,9 +89,13 @@ class Residuals(tf.Module):
                         init = tf.constant(pending)
                 device = getattr(grad, "device", "") or ""
                 with tf.device(device or None):
-                    r = tf.Variable(init, trainable=False, name="twobit_residual",
-                                    synchronization=tf.VariableSynchronization.NONE,
-                                    aggregation=tf.VariableAggregation.NONE)
+                    # The class itself, not tf.Variable: the creator scopes stay out, so a
+                    # tf.function whose first trace made a residual is not traced a second time
+                    # to lift initializers (this one is initialized eagerly, here).
+                    r = resource_variable_ops.ResourceVariable(
+                        init, trainable=False, name="twobit_residual",
+                        synchronization=tf.VariableSynchronization.NONE,
+                        aggregation=tf.VariableAggregation.NONE)
                 self._by_name[name] = r
                 # Tracked inside init_scope: a deferred checkpoint restore runs eagerly, once.
                 self._tracked["rank%dof%d/%s" % (rank_size() + (name,))] = r
