@@ -47,11 +47,31 @@ class Result:
         return "rc=%s after %.1fs\n%s" % (self.returncode, self.seconds, self.output[-6000:])
 
 
+_BUILT = []
+
+
+def built():
+    """What Horovod was built with (``gloo,mpi``), from Horovod's own checks, once per session:
+    ``launch.py`` hands it to each launch so that none imports TensorFlow to find out again."""
+    if not _BUILT:
+        code = ("from horovod.common.util import gloo_built, mpi_built; "
+                "print(','.join(n for n, f in (('gloo', gloo_built), ('mpi', mpi_built)) if f()))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=job_env(), timeout=120)
+        if out.returncode != 0:
+            pytest.fail("cannot ask Horovod what it was built with:\n%s" % out.stderr[-3000:])
+        _BUILT.append(out.stdout.strip().splitlines()[-1])
+    return _BUILT[0]
+
+
 def run(np_, script, *args, mpi=False, timeout=240, env=None, check=True):
     """Runs ``horovodrun -np N`` on localhost with Gloo (or MPI) and returns its Result."""
-    cmd = [horovodrun(), "-np", str(np_), "-H", "localhost:%d" % np_]
+    horovodrun()  # fails clearly when Horovod is not installed
+    cmd = [sys.executable, os.path.join(HERE, "launch.py"), "-np", str(np_),
+           "-H", "localhost:%d" % np_]
     cmd += ["--mpi", "--mpi-args=--oversubscribe"] if mpi else ["--gloo"]
     cmd += [sys.executable, os.path.join(WORKERS, script)] + [str(a) for a in args]  # absolute paths stay
+    env = dict(env or {}, HOROVOD_TWOBIT_TEST_BUILT=built())
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=job_env(env), start_new_session=True)
@@ -65,6 +85,24 @@ def run(np_, script, *args, mpi=False, timeout=240, env=None, check=True):
     if check and res.returncode != 0:
         pytest.fail("horovodrun %s failed: %r" % (script, res))
     return res
+
+
+_SHARED = {}
+
+
+def shared(key, make):
+    """``make()``, run once per ``key`` in a test session and shared by every test that asks (one
+    horovodrun job that runs several tests' configurations: one launch and one framework import
+    instead of one per test). A failure is kept too, and raised to each of those tests."""
+    if key not in _SHARED:
+        try:
+            _SHARED[key] = True, make()
+        except (Exception, pytest.fail.Exception) as e:
+            _SHARED[key] = False, e
+    ok, value = _SHARED[key]
+    if not ok:
+        raise value
+    return value
 
 
 _CASE = re.compile(r"\b(RAISED|OK|NO ERROR) rank (\d+) case (\S+?)(?: after ([\d.]+)s)?(?:: (.*))?$")

@@ -14,7 +14,7 @@ from horovod_twobit import reference as ref
 VARS = ["hidden/bias", "hidden/kernel", "out/bias", "out/kernel"]
 
 
-@pytest.mark.parametrize("mode,np_,groups,threshold,block,blocks", [
+CONFIGS = [  # (mode, ranks, groups, threshold, block, blocks)
     ("tape_eager", 2, 0, 0.5, None, None),
     ("tape_eager", 3, 2, 0.1, None, None),
     ("tape_function", 2, 0, 0.1, None, None),
@@ -29,12 +29,30 @@ VARS = ["hidden/bias", "hidden/kernel", "out/bias", "out/kernel"]
     ("tape_function", 3, 2, "auto", 32, None),
     # block=16, blocks=4: at most four blocks per tensor, their size from the tensor's
     ("keras", 2, 0, "auto", 16, 4),
-])
-def test_training_matches_simulation(tmp_path, mode, np_, groups, threshold, block, blocks):
-    jobs.run(np_, "tf_train.py", "--out", tmp_path, "--mode", mode, "--steps", 20,
-             "--threshold", threshold, "--groups", groups, *(("--block", block) if block else ()),
-             *(("--blocks", blocks) if blocks else ()), timeout=240)
-    ranks = sim.load_ranks(str(tmp_path), np_)
+]
+
+
+def _trained(tmp_path_factory, np_, config):
+    """The directory where ``config`` saved its ranks' records: one horovodrun job per number of
+    ranks runs all of that number's configurations in turn, each with its own model and
+    compressor."""
+    mine = [c for c in CONFIGS if c[1] == np_]
+
+    def job():
+        out = tmp_path_factory.mktemp("tf_train_np%d" % np_)
+        specs = ["%s:%s:%d:%s:%s" % (m, t, g, b or "-", bs or "-") for m, _, g, t, b, bs in mine]
+        jobs.run(np_, "tf_train.py", "--out", out, "--steps", 20, "--configs", *specs,
+                 timeout=600)
+        return out
+
+    return jobs.shared(("tf_train", np_), job) / str(mine.index(config))
+
+
+@pytest.mark.parametrize("mode,np_,groups,threshold,block,blocks", CONFIGS)
+def test_training_matches_simulation(tmp_path_factory, mode, np_, groups, threshold, block,
+                                     blocks):
+    out = _trained(tmp_path_factory, np_, (mode, np_, groups, threshold, block, blocks))
+    ranks = sim.load_ranks(str(out), np_)
     # every rank's averaged gradients equal the N-worker simulation's, bit for bit, for 20 steps,
     # and the weights end identical on every rank
     sim.check_training(ranks, threshold, 20, block=block, blocks=blocks)

@@ -1,7 +1,7 @@
 """The scatter exchange of the TensorFlow binding in real horovodrun jobs, against the NumPy
 reference, bit for bit: DistributedGradientTape eager and under tf.function, the Keras
 DistributedOptimizer, single tensors, a NaN, and mismatches raising on every rank. One job per
-case carries all of them (tests/workers/tf_scatter.py)."""
+number of ranks carries all of them (tests/workers/tf_scatter.py)."""
 
 import re
 
@@ -40,12 +40,26 @@ def _cases(np_):
     return [c for c in CASES if np_ >= 3 or c != "auto_exchange_function"]  # 3000: scatter from N=3
 
 
-def _job(tmp_path, np_, threshold, exchange):
-    res = jobs.run(np_, "tf_scatter.py", "--out", tmp_path, "--threshold", threshold,
-                   "--exchange", exchange, "--steps", STEPS, "--cases", *_cases(np_), timeout=600)
+CONFIGS = [(2, 0.05, "scatter"), (3, "auto", "scatter"), (3, 0.05, "auto")]
+
+
+def _job(tmp_path_factory, np_, threshold, exchange):
+    """(the job's Result, the ranks' records for this threshold and exchange): one horovodrun
+    job per number of ranks runs that number's configurations in turn, and the cases once."""
+    mine = [c for c in CONFIGS if c[0] == np_]
+
+    def job():
+        out = tmp_path_factory.mktemp("tf_scatter_np%d" % np_)
+        res = jobs.run(np_, "tf_scatter.py", "--out", out, "--steps", STEPS, "--configs",
+                       *["%s:%s" % (t, e) for _, t, e in mine], "--cases", *_cases(np_),
+                       timeout=600)
+        return res, out
+
+    res, out = jobs.shared(("tf_scatter", np_), job)
     assert res.output.count("uses %s" % jobs.os.path.join(jobs.os.path.dirname(jobs.HERE),
                                                           "horovod_twobit")) == np_, res
-    return res, sim.load_ranks(str(tmp_path), np_)
+    out = out / str(mine.index((np_, threshold, exchange)))
+    return res, sim.load_ranks(str(out), np_)
 
 
 def _check_training(ranks, mode, np_, threshold, exchange):
@@ -77,10 +91,9 @@ def _scatters(group, np_, threshold, exchange):
                      np_) == "scatter"
 
 
-@pytest.mark.parametrize("np_,threshold,exchange", [
-    (2, 0.05, "scatter"), (3, "auto", "scatter"), (3, 0.05, "auto")])
-def test_scatter_matches_reference(tmp_path, np_, threshold, exchange):
-    res, ranks = _job(tmp_path, np_, threshold, exchange)
+@pytest.mark.parametrize("np_,threshold,exchange", CONFIGS)
+def test_scatter_matches_reference(tmp_path_factory, np_, threshold, exchange):
+    res, ranks = _job(tmp_path_factory, np_, threshold, exchange)
     for mode in MODES:
         groups = _check_training(ranks, mode, np_, threshold, exchange)
         scatter = [g[0] for g in groups if _scatters(g, np_, threshold, exchange)]

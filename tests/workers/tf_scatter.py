@@ -8,6 +8,8 @@
 3. A NaN on the last rank at one step: the residuals (workers' and owners') before and after.
 4. Mismatches, mixed exchanges among them (cases named after --cases): each prints the error it
    raised.
+Sections 1-3 run once per configuration (--configs THRESHOLD:EXCHANGE ...), saved to
+--out/<index>/rank<r>.npz; section 4 once, at the end: one launch, one TensorFlow import.
 The names of the alltoalls traced per section (alltoall/<section>) show which exchange ran.
 """
 
@@ -20,8 +22,9 @@ import tensorflow as tf
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
-p.add_argument("--threshold", type=lambda v: v if v == "auto" else float(v), default=0.05)
-p.add_argument("--exchange", default="scatter")
+p.add_argument("--configs", nargs="+", required=True,
+               help="THRESHOLD:EXCHANGE each; sections 1-3 run once per configuration, saved "
+                    "under --out/<index>/")
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--cases", nargs="*", default=[])
 args = p.parse_args()
@@ -45,14 +48,9 @@ def counting(tensor, *a, **kw):
 
 
 mpi_ops.alltoall = counting
-rec = {}
 
 
-def compressor():
-    return TwoBitCompressor(args.threshold, bucket_bytes=2048, exchange=args.exchange)
-
-
-def section(name):
+def section(rec, name):
     rec["alltoall/" + name] = np.array([str(n) for n in traced])
     traced.clear()
 
@@ -73,7 +71,7 @@ def batch(step, rows=16):
             rng.standard_normal((rows, 6)).astype(np.float32))
 
 
-def record(mode, c, names, step, local, agg):
+def record(rec, mode, names, step, local, agg):
     for n, lg, ag in zip(names, local, agg):
         rec["%s/local/%d/%s" % (mode, step, n)] = np.asarray(lg)
         rec["%s/agg/%d/%s" % (mode, step, n)] = np.asarray(ag)
@@ -83,90 +81,104 @@ def layouts(c):
     return np.array([",".join(k[1]) for k in c._plain.eager_fns if k[0] == "layout"])
 
 
-for mode in ("tape_eager", "tape_function", "keras"):
-    model, c = build_model(), compressor()
-    variables = model.trainable_variables
-    names = [v.name[:-2] for v in variables]
-    if mode != "keras":
-        hvd.broadcast_variables(variables, root_rank=0)
+def run(threshold, exchange):
+    """Sections 1-3 with one threshold and exchange: the records to save."""
+    rec = {}
+    traced.clear()
 
-        def train_step(x, y):
-            with tf.GradientTape(persistent=True) as tape:
-                loss = tf.reduce_mean(tf.square(model(x) - y)) * 3.0
-            local = tape.gradient(loss, variables)
-            agg = hvd.DistributedGradientTape(tape, compression=c).gradient(loss, variables)
-            for v, g in zip(variables, agg):
-                v.assign_sub(0.1 * g)
-            return local, agg
+    def compressor():
+        return TwoBitCompressor(threshold, bucket_bytes=2048, exchange=exchange)
 
-        if mode == "tape_function":
-            train_step = tf.function(train_step)
-        for step in range(args.steps):
-            x, y = batch(step, rows=16 if step % 2 == 0 else 8)
-            local, agg = train_step(tf.constant(x), tf.constant(y))
-            record(mode, c, names, step, [g.numpy() for g in local], [g.numpy() for g in agg])
-    else:
-        import horovod.tensorflow.keras as hvd_k
-        opt = hvd_k.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=c)
-        seen, inner = [], opt._allreduce_grads
+    for mode in ("tape_eager", "tape_function", "keras"):
+        model, c = build_model(), compressor()
+        variables = model.trainable_variables
+        names = [v.name[:-2] for v in variables]
+        if mode != "keras":
+            hvd.broadcast_variables(variables, root_rank=0)
 
-        def recording(grads, vars, *a, **k):
-            out = inner(grads, vars, *a, **k)
+            def train_step(x, y):
+                with tf.GradientTape(persistent=True) as tape:
+                    loss = tf.reduce_mean(tf.square(model(x) - y)) * 3.0
+                local = tape.gradient(loss, variables)
+                agg = hvd.DistributedGradientTape(tape, compression=c).gradient(loss, variables)
+                for v, g in zip(variables, agg):
+                    v.assign_sub(0.1 * g)
+                return local, agg
 
-            def save(*arrays):
-                seen.append([x.copy() for x in arrays])
-                return np.int32(0)
-            done = tf.numpy_function(save, list(grads) + list(out), tf.int32, stateful=True)
-            with tf.control_dependencies([done]):
-                return [tf.identity(o) for o in out]
+            if mode == "tape_function":
+                train_step = tf.function(train_step)
+            for step in range(args.steps):
+                x, y = batch(step, rows=16 if step % 2 == 0 else 8)
+                local, agg = train_step(tf.constant(x), tf.constant(y))
+                record(rec, mode, names, step, [g.numpy() for g in local], [g.numpy() for g in agg])
+        else:
+            import horovod.tensorflow.keras as hvd_k
+            opt = hvd_k.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=c)
+            seen, inner = [], opt._allreduce_grads
 
-        opt._allreduce_grads = recording
-        model.compile(optimizer=opt, loss=lambda y, p: tf.reduce_mean(tf.square(p - y)) * 3.0)
-        xs, ys = zip(*[batch(s) for s in range(args.steps)])
-        model.fit(np.concatenate(xs), np.concatenate(ys), batch_size=16, epochs=1, shuffle=False,
-                  verbose=0, callbacks=[hvd_k.callbacks.BroadcastGlobalVariablesCallback(0)])
-        assert len(seen) == args.steps, len(seen)
-        for step, arrays in enumerate(seen):
-            record(mode, c, names, step, arrays[:len(names)], arrays[len(names):])
-    for n, v in zip(names, variables):
-        rec["%s/w/%s" % (mode, n)] = v.numpy()
-    rec[mode + "/layouts"] = layouts(c)
-    section(mode)
+            def recording(grads, vars, *a, **k):
+                out = inner(grads, vars, *a, **k)
 
-# single tensors of odd sizes (eager); "sum" with op=hvd.Sum and scale factors in a tf.function
-c = compressor()
-summed = tf.function(lambda t: hvd.allreduce(t, name="sum", compression=c, op=hvd.Sum,
-                                             prescale_factor=0.5, postscale_factor=3.0))
-for step in range(3):
-    for n in (1, 17, 100, 16 * 7 + 3, 3000):
-        g = np.random.default_rng(50 * rank + n + step).standard_normal(n).astype(np.float32)
-        rec["single_in/%d/%d" % (n, step)] = g
-        rec["single_out/%d/%d" % (n, step)] = hvd.allreduce(
-            tf.constant(g), name="single%d" % n, compression=c).numpy()
-    g = np.random.default_rng(9 * rank + step).standard_normal(70).astype(np.float32)
-    rec["sum_in/%d" % step] = g
-    rec["sum_out/%d" % step] = summed(tf.constant(g)).numpy()
-section("single")
+                def save(*arrays):
+                    seen.append([x.copy() for x in arrays])
+                    return np.int32(0)
+                done = tf.numpy_function(save, list(grads) + list(out), tf.int32, stateful=True)
+                with tf.control_dependencies([done]):
+                    return [tf.identity(o) for o in out]
 
-# non-finite: the last rank sends NaN at step 1; no residual changes, the owners' included
-nf = tf.function(lambda t: hvd.allreduce(t, name="nf", compression=c))
+            opt._allreduce_grads = recording
+            model.compile(optimizer=opt, loss=lambda y, p: tf.reduce_mean(tf.square(p - y)) * 3.0)
+            xs, ys = zip(*[batch(s) for s in range(args.steps)])
+            model.fit(np.concatenate(xs), np.concatenate(ys), batch_size=16, epochs=1,
+                      shuffle=False, verbose=0,
+                      callbacks=[hvd_k.callbacks.BroadcastGlobalVariablesCallback(0)])
+            assert len(seen) == args.steps, len(seen)
+            for step, arrays in enumerate(seen):
+                record(rec, mode, names, step, arrays[:len(names)], arrays[len(names):])
+        for n, v in zip(names, variables):
+            rec["%s/w/%s" % (mode, n)] = v.numpy()
+        rec[mode + "/layouts"] = layouts(c)
+        section(rec, mode)
+
+    # single tensors of odd sizes (eager); "sum" with op=hvd.Sum and scale factors in a tf.function
+    c = compressor()
+    summed = tf.function(lambda t: hvd.allreduce(t, name="sum", compression=c, op=hvd.Sum,
+                                                 prescale_factor=0.5, postscale_factor=3.0))
+    for step in range(3):
+        for n in (1, 17, 100, 16 * 7 + 3, 3000):
+            g = np.random.default_rng(50 * rank + n + step).standard_normal(n).astype(np.float32)
+            rec["single_in/%d/%d" % (n, step)] = g
+            rec["single_out/%d/%d" % (n, step)] = hvd.allreduce(
+                tf.constant(g), name="single%d" % n, compression=c).numpy()
+        g = np.random.default_rng(9 * rank + step).standard_normal(70).astype(np.float32)
+        rec["sum_in/%d" % step] = g
+        rec["sum_out/%d" % step] = summed(tf.constant(g)).numpy()
+    section(rec, "single")
+
+    # non-finite: the last rank sends NaN at step 1; no residual changes, the owners' included
+    nf = tf.function(lambda t: hvd.allreduce(t, name="nf", compression=c))
+
+    def residuals():
+        st = c.state_dict()
+        return (st["residuals"].get("nf", np.zeros(200, np.float32)),
+                st.get("owner_residuals", {}).get("nf", np.zeros(0, np.float32)))
+
+    for step in range(3):
+        g = np.random.default_rng(70 * rank + step).standard_normal(200).astype(np.float32)
+        if step == 1 and rank == size - 1:
+            g[3] = np.nan
+        rec["nf_res_before/%d" % step], rec["nf_own_before/%d" % step] = residuals()
+        rec["nf_in/%d" % step] = g
+        rec["nf_out/%d" % step] = nf(tf.constant(g)).numpy()
+        rec["nf_res_after/%d" % step], rec["nf_own_after/%d" % step] = residuals()
+    return rec
 
 
-def residuals():
-    st = c.state_dict()
-    return (st["residuals"].get("nf", np.zeros(200, np.float32)),
-            st.get("owner_residuals", {}).get("nf", np.zeros(0, np.float32)))
-
-
-for step in range(3):
-    g = np.random.default_rng(70 * rank + step).standard_normal(200).astype(np.float32)
-    if step == 1 and rank == size - 1:
-        g[3] = np.nan
-    rec["nf_res_before/%d" % step], rec["nf_own_before/%d" % step] = residuals()
-    rec["nf_in/%d" % step] = g
-    rec["nf_out/%d" % step] = nf(tf.constant(g)).numpy()
-    rec["nf_res_after/%d" % step], rec["nf_own_after/%d" % step] = residuals()
-np.savez(os.path.join(args.out, "rank%d.npz" % rank), **rec)
+for i, spec in enumerate(args.configs):
+    threshold, exchange = spec.split(":")
+    rec = run(threshold if threshold == "auto" else float(threshold), exchange)
+    os.makedirs(os.path.join(args.out, str(i)), exist_ok=True)
+    np.savez(os.path.join(args.out, str(i), "rank%d.npz" % rank), **rec)
 
 
 def case_size_same_words():

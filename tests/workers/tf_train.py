@@ -1,5 +1,8 @@
 """A real Horovod TensorFlow job with TwoBitCompressor; each rank saves what it saw to an .npz.
 
+One job runs several configurations in turn (--configs, see below), each with its own model and
+compressor, and saves configuration i to --out/<i>/rank<r>.npz: one launch, one TensorFlow import.
+
 Modes:
   tape_eager     hvd.DistributedGradientTape in an eager loop
   tape_function  the same step under tf.function, called with two batch sizes (two traces)
@@ -16,12 +19,10 @@ import tensorflow as tf
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
-p.add_argument("--mode", required=True, choices=["tape_eager", "tape_function", "keras"])
 p.add_argument("--steps", type=int, default=20)
-p.add_argument("--threshold", type=lambda v: v if v == "auto" else float(v), default=0.5)
-p.add_argument("--groups", type=int, default=0)
-p.add_argument("--block", type=int, default=None)
-p.add_argument("--blocks", type=int, default=None)
+p.add_argument("--configs", nargs="+", required=True,
+               help="MODE:THRESHOLD:GROUPS:BLOCK:BLOCKS each (BLOCK, BLOCKS: - for none); one "
+                    "model and compressor per configuration, saved under --out/<index>/")
 args = p.parse_args()
 
 import horovod.tensorflow as hvd  # noqa: E402
@@ -53,102 +54,119 @@ def key(v):
     return v.name[:-2] if v.name.endswith(":0") else v.name
 
 
-model = build_model()
-compressor = TwoBitCompressor(args.threshold, block=args.block, blocks=args.blocks)
-variables = model.trainable_variables
-names = [key(v) for v in variables]
-rec = {}
-kw = {"groups": args.groups} if args.groups else {}
+def run(mode, threshold, groups, block, blocks):
+    model = build_model()
+    compressor = TwoBitCompressor(threshold, block=block, blocks=blocks)
+    variables = model.trainable_variables
+    names = [key(v) for v in variables]
+    rec = {}
+    kw = {"groups": groups} if groups else {}
 
-if args.mode in ("tape_eager", "tape_function"):
-    hvd.broadcast_variables(variables, root_rank=0)
+    if mode in ("tape_eager", "tape_function"):
+        hvd.broadcast_variables(variables, root_rank=0)
 
-    def train_step(x, y):
-        with tf.GradientTape(persistent=True) as tape:
-            loss = tf.reduce_mean(tf.square(model(x) - y)) * 3.0
-        local = tape.gradient(loss, variables)
-        dtape = hvd.DistributedGradientTape(tape, compression=compressor, **kw)
-        agg = dtape.gradient(loss, variables)
-        for v, g in zip(variables, agg):
-            v.assign_sub(0.1 * g)
-        return local, agg
+        def train_step(x, y):
+            with tf.GradientTape(persistent=True) as tape:
+                loss = tf.reduce_mean(tf.square(model(x) - y)) * 3.0
+            local = tape.gradient(loss, variables)
+            dtape = hvd.DistributedGradientTape(tape, compression=compressor, **kw)
+            agg = dtape.gradient(loss, variables)
+            for v, g in zip(variables, agg):
+                v.assign_sub(0.1 * g)
+            return local, agg
 
-    if args.mode == "tape_function":
-        train_step = tf.function(train_step)
-    for step in range(args.steps):
-        # two input signatures: the tf.function is traced twice
-        x, y = batch(step, rows=16 if step % 2 == 0 else 8)
-        local, agg = train_step(tf.constant(x), tf.constant(y))
-        for n, lg, ag in zip(names, local, agg):
-            rec["local/%d/%s" % (step, n)] = lg.numpy()
-            rec["agg/%d/%s" % (step, n)] = ag.numpy()
-    if args.mode == "tape_function":
-        rec["traces"] = np.array(train_step.experimental_get_tracing_count())
-else:
-    import horovod.tensorflow.keras as hvd_k
-    opt = hvd_k.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=compressor, **kw)
-    # Record, inside Keras' train function, what the optimizer hands to Horovod and gets back.
-    seen = []
-    inner = opt._allreduce_grads
+        if mode == "tape_function":
+            train_step = tf.function(train_step)
+        for step in range(args.steps):
+            # two input signatures: the tf.function is traced twice
+            x, y = batch(step, rows=16 if step % 2 == 0 else 8)
+            local, agg = train_step(tf.constant(x), tf.constant(y))
+            for n, lg, ag in zip(names, local, agg):
+                rec["local/%d/%s" % (step, n)] = lg.numpy()
+                rec["agg/%d/%s" % (step, n)] = ag.numpy()
+        if mode == "tape_function":
+            rec["traces"] = np.array(train_step.experimental_get_tracing_count())
+    else:
+        import horovod.tensorflow.keras as hvd_k
+        opt = hvd_k.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=compressor,
+                                         **kw)
+        # Record, inside Keras' train function, what the optimizer hands to Horovod and gets back.
+        seen = []
+        inner = opt._allreduce_grads
 
-    def recording(grads, vars, *a, **k):
-        out = inner(grads, vars, *a, **k)
+        def recording(grads, vars, *a, **k):
+            out = inner(grads, vars, *a, **k)
 
-        def save(*arrays):
-            half = len(arrays) // 2
-            seen.append(([a.copy() for a in arrays[:half]], [a.copy() for a in arrays[half:]]))
-            return np.int32(0)
-        done = tf.numpy_function(save, list(grads) + list(out), tf.int32, stateful=True)
-        with tf.control_dependencies([done]):
-            return [tf.identity(o) for o in out]
+            def save(*arrays):
+                half = len(arrays) // 2
+                seen.append(([a.copy() for a in arrays[:half]], [a.copy() for a in arrays[half:]]))
+                return np.int32(0)
+            done = tf.numpy_function(save, list(grads) + list(out), tf.int32, stateful=True)
+            with tf.control_dependencies([done]):
+                return [tf.identity(o) for o in out]
 
-    opt._allreduce_grads = recording
-    model.compile(optimizer=opt, loss=lambda y, p: tf.reduce_mean(tf.square(p - y)) * 3.0)
-    xs, ys = zip(*[batch(s) for s in range(args.steps)])
-    model.fit(np.concatenate(xs), np.concatenate(ys), batch_size=16, epochs=1, shuffle=False,
-              verbose=0, callbacks=[hvd_k.callbacks.BroadcastGlobalVariablesCallback(0)])
-    assert len(seen) == args.steps, len(seen)
-    for step, (local, agg) in enumerate(seen):
-        for n, lg, ag in zip(names, local, agg):
-            rec["local/%d/%s" % (step, n)] = lg
-            rec["agg/%d/%s" % (step, n)] = ag
+        opt._allreduce_grads = recording
+        model.compile(optimizer=opt, loss=lambda y, p: tf.reduce_mean(tf.square(p - y)) * 3.0)
+        xs, ys = zip(*[batch(s) for s in range(args.steps)])
+        model.fit(np.concatenate(xs), np.concatenate(ys), batch_size=16, epochs=1, shuffle=False,
+                  verbose=0, callbacks=[hvd_k.callbacks.BroadcastGlobalVariablesCallback(0)])
+        assert len(seen) == args.steps, len(seen)
+        for step, (local, agg) in enumerate(seen):
+            for n, lg, ag in zip(names, local, agg):
+                rec["local/%d/%s" % (step, n)] = lg
+                rec["agg/%d/%s" % (step, n)] = ag
 
-# An ordinary allreduce in the same job is exact and uncompressed.
-plain = tf.range(10, dtype=tf.float32) * (rank + 1) + 0.001
-rec["plain"] = hvd.allreduce(plain, name="plain", op=hvd.Sum).numpy()
+    # An ordinary allreduce in the same job is exact and uncompressed.
+    plain = tf.range(10, dtype=tf.float32) * (rank + 1) + 0.001
+    rec["plain"] = hvd.allreduce(plain, name="plain", op=hvd.Sum).numpy()
+
+    # hvd.allreduce with the compressor, twice under the same name, inside a tf.function traced
+    # for two signatures: the residual carries over and exists once.
+    @tf.function
+    def direct(t):
+        return hvd.allreduce(t, name="direct", compression=compressor)
+
+    for i in range(2):
+        t = np.random.default_rng(7 + rank + 100 * i).standard_normal(50).astype(np.float32)
+        rec["direct_in/%d" % i] = t
+        arg = tf.constant(t) if i == 0 else tf.constant(t.reshape(5, 10))
+        rec["direct_out/%d" % i] = direct(arg).numpy().reshape(-1)
+    rec["direct_traces"] = np.array(direct.experimental_get_tracing_count())
+
+    # hvd.grouped_allreduce with a name and op=Sum: the float tensors are compressed (residuals
+    # "grp.0", "grp.2"), the int32 one travels exactly through Horovod's own grouped allreduce.
+    rng = np.random.default_rng(50 + rank)
+    ga = rng.standard_normal(30).astype(np.float32)
+    gc = rng.standard_normal((3, 7)).astype(np.float32)
+    gb = np.arange(6, dtype=np.int32) * (rank + 1)
+    outs = hvd.grouped_allreduce([tf.constant(ga), tf.constant(gb), tf.constant(gc)], name="grp",
+                                 op=hvd.Sum, compression=compressor)
+    rec.update({"grp_in/0": ga, "grp_in/2": gc, "grp_out/0": outs[0].numpy(),
+                "grp_out/1": outs[1].numpy(), "grp_out/2": outs[2].numpy()})
+    # prescale * postscale multiplies the average
+    t = rng.standard_normal(40).astype(np.float32)
+    rec["scaled_in"] = t
+    rec["scaled_out"] = hvd.allreduce(tf.constant(t), name="scaled", compression=compressor,
+                                      prescale_factor=0.5, postscale_factor=3.0).numpy()
+    for n, v in zip(names, variables):
+        rec["w/" + n] = v.numpy()
+    rec["residual_names"] = np.array(compressor.residuals.names())
+    rec["tracked_variables"] = np.array(len(compressor.trainable_variables)
+                                        + len(compressor.variables))
+    return rec
 
 
-# hvd.allreduce with the compressor, twice under the same name, inside a tf.function traced for two
-# signatures: the residual carries over and exists once.
-@tf.function
-def direct(t):
-    return hvd.allreduce(t, name="direct", compression=compressor)
+def config(spec):
+    mode, threshold, groups, block, blocks = spec.split(":")
+    assert mode in ("tape_eager", "tape_function", "keras"), mode
+    num = lambda v: None if v == "-" else int(v)  # noqa: E731
+    return (mode, threshold if threshold == "auto" else float(threshold), int(groups), num(block),
+            num(blocks))
 
 
-for i in range(2):
-    t = np.random.default_rng(7 + rank + 100 * i).standard_normal(50).astype(np.float32)
-    rec["direct_in/%d" % i] = t
-    arg = tf.constant(t) if i == 0 else tf.constant(t.reshape(5, 10))
-    rec["direct_out/%d" % i] = direct(arg).numpy().reshape(-1)
-rec["direct_traces"] = np.array(direct.experimental_get_tracing_count())
-
-# hvd.grouped_allreduce with a name and op=Sum: the float tensors are compressed (residuals
-# "grp.0", "grp.2"), the int32 one travels exactly through Horovod's own grouped allreduce.
-rng = np.random.default_rng(50 + rank)
-ga, gc = rng.standard_normal(30).astype(np.float32), rng.standard_normal((3, 7)).astype(np.float32)
-gb = np.arange(6, dtype=np.int32) * (rank + 1)
-outs = hvd.grouped_allreduce([tf.constant(ga), tf.constant(gb), tf.constant(gc)], name="grp",
-                             op=hvd.Sum, compression=compressor)
-rec.update({"grp_in/0": ga, "grp_in/2": gc, "grp_out/0": outs[0].numpy(),
-            "grp_out/1": outs[1].numpy(), "grp_out/2": outs[2].numpy()})
-# prescale * postscale multiplies the average
-t = rng.standard_normal(40).astype(np.float32)
-rec["scaled_in"] = t
-rec["scaled_out"] = hvd.allreduce(tf.constant(t), name="scaled", compression=compressor,
-                                  prescale_factor=0.5, postscale_factor=3.0).numpy()
-for n, v in zip(names, variables):
-    rec["w/" + n] = v.numpy()
-rec["residual_names"] = np.array(compressor.residuals.names())
-rec["tracked_variables"] = np.array(len(compressor.trainable_variables) + len(compressor.variables))
-np.savez(os.path.join(args.out, "rank%d.npz" % rank), **rec)
+for i, spec in enumerate(args.configs):
+    rec = run(*config(spec))
+    os.makedirs(os.path.join(args.out, str(i)), exist_ok=True)
+    np.savez(os.path.join(args.out, str(i), "rank%d.npz" % rank), **rec)
+    print("rank %d config %s done" % (rank, spec), flush=True)
 print("rank %d done" % rank)
