@@ -33,6 +33,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import horovod.tensorflow.mpi_ops as mpi_ops  # noqa: E402
 import horovod_twobit  # noqa: E402
 from horovod_twobit.tensorflow import PayloadMismatchError, TwoBitCompressor  # noqa: E402
+from tf_training import MODES, build_model, key, train  # noqa: E402
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -55,22 +56,6 @@ def section(rec, name):
     traced.clear()
 
 
-def build_model():
-    init = lambda s: tf.keras.initializers.GlorotUniform(seed=s)  # noqa: E731
-    model = tf.keras.Sequential([
-        tf.keras.layers.Dense(40, activation="tanh", name="hidden", kernel_initializer=init(1)),
-        tf.keras.layers.Dense(6, name="out", kernel_initializer=init(2)),
-    ])
-    model.build((None, 12))
-    return model
-
-
-def batch(step, rows=16):
-    rng = np.random.default_rng(1000 * rank + step)
-    return (rng.standard_normal((rows, 12)).astype(np.float32),
-            rng.standard_normal((rows, 6)).astype(np.float32))
-
-
 def record(rec, mode, names, step, local, agg):
     for n, lg, ag in zip(names, local, agg):
         rec["%s/local/%d/%s" % (mode, step, n)] = np.asarray(lg)
@@ -89,53 +74,12 @@ def run(threshold, exchange):
     def compressor():
         return TwoBitCompressor(threshold, bucket_bytes=2048, exchange=exchange)
 
-    for mode in ("tape_eager", "tape_function", "keras"):
+    for mode in MODES:
         model, c = build_model(), compressor()
-        variables = model.trainable_variables
-        names = [v.name[:-2] for v in variables]
-        if mode != "keras":
-            hvd.broadcast_variables(variables, root_rank=0)
-
-            def train_step(x, y):
-                with tf.GradientTape(persistent=True) as tape:
-                    loss = tf.reduce_mean(tf.square(model(x) - y)) * 3.0
-                local = tape.gradient(loss, variables)
-                agg = hvd.DistributedGradientTape(tape, compression=c).gradient(loss, variables)
-                for v, g in zip(variables, agg):
-                    v.assign_sub(0.1 * g)
-                return local, agg
-
-            if mode == "tape_function":
-                train_step = tf.function(train_step)
-            for step in range(args.steps):
-                x, y = batch(step, rows=16 if step % 2 == 0 else 8)
-                local, agg = train_step(tf.constant(x), tf.constant(y))
-                record(rec, mode, names, step, [g.numpy() for g in local], [g.numpy() for g in agg])
-        else:
-            import horovod.tensorflow.keras as hvd_k
-            opt = hvd_k.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=c)
-            seen, inner = [], opt._allreduce_grads
-
-            def recording(grads, vars, *a, **k):
-                out = inner(grads, vars, *a, **k)
-
-                def save(*arrays):
-                    seen.append([x.copy() for x in arrays])
-                    return np.int32(0)
-                done = tf.numpy_function(save, list(grads) + list(out), tf.int32, stateful=True)
-                with tf.control_dependencies([done]):
-                    return [tf.identity(o) for o in out]
-
-            opt._allreduce_grads = recording
-            model.compile(optimizer=opt, loss=lambda y, p: tf.reduce_mean(tf.square(p - y)) * 3.0)
-            xs, ys = zip(*[batch(s) for s in range(args.steps)])
-            model.fit(np.concatenate(xs), np.concatenate(ys), batch_size=16, epochs=1,
-                      shuffle=False, verbose=0,
-                      callbacks=[hvd_k.callbacks.BroadcastGlobalVariablesCallback(0)])
-            assert len(seen) == args.steps, len(seen)
-            for step, arrays in enumerate(seen):
-                record(rec, mode, names, step, arrays[:len(names)], arrays[len(names):])
-        for n, v in zip(names, variables):
+        names = [key(v) for v in model.trainable_variables]
+        for step, (local, agg) in enumerate(train(mode, model, c, args.steps)[0]):
+            record(rec, mode, names, step, local, agg)
+        for n, v in zip(names, model.trainable_variables):
             rec["%s/w/%s" % (mode, n)] = v.numpy()
         rec[mode + "/layouts"] = layouts(c)
         section(rec, mode)

@@ -27,6 +27,7 @@ args = p.parse_args()
 
 import horovod.tensorflow as hvd  # noqa: E402
 from horovod_twobit.tensorflow import TwoBitCompressor  # noqa: E402
+from tf_training import build_model, key, train  # noqa: E402
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -34,87 +35,19 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 
 
-def build_model():
-    init = lambda s: tf.keras.initializers.GlorotUniform(seed=s)  # noqa: E731
-    model = tf.keras.Sequential([
-        tf.keras.layers.Dense(40, activation="tanh", name="hidden", kernel_initializer=init(1)),
-        tf.keras.layers.Dense(6, name="out", kernel_initializer=init(2)),
-    ])
-    model.build((None, 12))
-    return model
-
-
-def batch(step, rows=16):
-    rng = np.random.default_rng(1000 * rank + step)
-    return (rng.standard_normal((rows, 12)).astype(np.float32),
-            rng.standard_normal((rows, 6)).astype(np.float32))
-
-
-def key(v):
-    return v.name[:-2] if v.name.endswith(":0") else v.name
-
-
 def run(mode, threshold, groups, block, blocks):
     model = build_model()
     compressor = TwoBitCompressor(threshold, block=block, blocks=blocks)
-    variables = model.trainable_variables
-    names = [key(v) for v in variables]
+    names = [key(v) for v in model.trainable_variables]
+    seen, traces = train(mode, model, compressor, args.steps,
+                         **({"groups": groups} if groups else {}))
     rec = {}
-    kw = {"groups": groups} if groups else {}
-
-    if mode in ("tape_eager", "tape_function"):
-        hvd.broadcast_variables(variables, root_rank=0)
-
-        def train_step(x, y):
-            with tf.GradientTape(persistent=True) as tape:
-                loss = tf.reduce_mean(tf.square(model(x) - y)) * 3.0
-            local = tape.gradient(loss, variables)
-            dtape = hvd.DistributedGradientTape(tape, compression=compressor, **kw)
-            agg = dtape.gradient(loss, variables)
-            for v, g in zip(variables, agg):
-                v.assign_sub(0.1 * g)
-            return local, agg
-
-        if mode == "tape_function":
-            train_step = tf.function(train_step)
-        for step in range(args.steps):
-            # two input signatures: the tf.function is traced twice
-            x, y = batch(step, rows=16 if step % 2 == 0 else 8)
-            local, agg = train_step(tf.constant(x), tf.constant(y))
-            for n, lg, ag in zip(names, local, agg):
-                rec["local/%d/%s" % (step, n)] = lg.numpy()
-                rec["agg/%d/%s" % (step, n)] = ag.numpy()
-        if mode == "tape_function":
-            rec["traces"] = np.array(train_step.experimental_get_tracing_count())
-    else:
-        import horovod.tensorflow.keras as hvd_k
-        opt = hvd_k.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=compressor,
-                                         **kw)
-        # Record, inside Keras' train function, what the optimizer hands to Horovod and gets back.
-        seen = []
-        inner = opt._allreduce_grads
-
-        def recording(grads, vars, *a, **k):
-            out = inner(grads, vars, *a, **k)
-
-            def save(*arrays):
-                half = len(arrays) // 2
-                seen.append(([a.copy() for a in arrays[:half]], [a.copy() for a in arrays[half:]]))
-                return np.int32(0)
-            done = tf.numpy_function(save, list(grads) + list(out), tf.int32, stateful=True)
-            with tf.control_dependencies([done]):
-                return [tf.identity(o) for o in out]
-
-        opt._allreduce_grads = recording
-        model.compile(optimizer=opt, loss=lambda y, p: tf.reduce_mean(tf.square(p - y)) * 3.0)
-        xs, ys = zip(*[batch(s) for s in range(args.steps)])
-        model.fit(np.concatenate(xs), np.concatenate(ys), batch_size=16, epochs=1, shuffle=False,
-                  verbose=0, callbacks=[hvd_k.callbacks.BroadcastGlobalVariablesCallback(0)])
-        assert len(seen) == args.steps, len(seen)
-        for step, (local, agg) in enumerate(seen):
-            for n, lg, ag in zip(names, local, agg):
-                rec["local/%d/%s" % (step, n)] = lg
-                rec["agg/%d/%s" % (step, n)] = ag
+    for step, (local, agg) in enumerate(seen):
+        for n, lg, ag in zip(names, local, agg):
+            rec["local/%d/%s" % (step, n)] = lg
+            rec["agg/%d/%s" % (step, n)] = ag
+    if traces is not None:
+        rec["traces"] = np.array(traces)
 
     # An ordinary allreduce in the same job is exact and uncompressed.
     plain = tf.range(10, dtype=tf.float32) * (rank + 1) + 0.001
@@ -148,7 +81,7 @@ def run(mode, threshold, groups, block, blocks):
     rec["scaled_in"] = t
     rec["scaled_out"] = hvd.allreduce(tf.constant(t), name="scaled", compression=compressor,
                                       prescale_factor=0.5, postscale_factor=3.0).numpy()
-    for n, v in zip(names, variables):
+    for n, v in zip(names, model.trainable_variables):
         rec["w/" + n] = v.numpy()
     rec["residual_names"] = np.array(compressor.residuals.names())
     rec["tracked_variables"] = np.array(len(compressor.trainable_variables)
