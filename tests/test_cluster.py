@@ -55,9 +55,9 @@ def _run(c, hosts, script, *args, mpi=False, timeout=200, env=None):
 
 def _check_train(c, tmp_path, hosts, mpi=False):
     steps = 12
-    res, sent = _run(c, hosts, "torch_train.py", "--out", tmp_path, "--steps", steps,
-                     "--threshold", 0.5, mpi=mpi)
-    ranks = sim.load_ranks(str(tmp_path), hosts)
+    res, sent = _run(c, hosts, "torch_train.py", tmp_path, "--steps %d --threshold 0.5" % steps,
+                     mpi=mpi)
+    ranks = sim.load_ranks(str(tmp_path / "0"), hosts)
     sim.check_training(ranks, 0.5, steps)  # aggregated grads = simulation's; weights identical
     want = sum(np.arange(10, dtype=np.float32) * (r + 1) + np.float32(0.001) for r in range(hosts))
     for r in ranks:

@@ -8,14 +8,39 @@ import sim
 from horovod_twobit import reference as ref
 
 
-def _train(tmp_path, np_, *args, mpi=False):
-    jobs.run(np_, "torch_train.py", "--out", tmp_path, *args, mpi=mpi)
-    return sim.load_ranks(str(tmp_path), np_)
+def _auto(block, blocks):
+    return "--steps 12 --threshold auto --groups 2" + (" --block %d" % block if block else "") + (
+        " --blocks %d" % blocks if blocks else "")
+
+
+AUTO = [(2, None, 1), (3, None, None), (3, 32, None), (2, 16, 4)]  # (ranks, block, blocks)
+OPTIMIZER = "--steps 20 --threshold 0.5"
+BPPS = "--steps 12 --threshold 0.1 --bpps 2 --groups 2"
+SUM = "--steps 8 --op sum --no-names"
+HALF = "--steps 6 --dtype %s"
+# what each number of ranks trains (tests/workers/torch_train.py options), in one job
+TRAINED = {
+    2: [OPTIMIZER, BPPS, SUM, HALF % "float16", HALF % "bfloat16"]
+       + [_auto(b, bs) for n, b, bs in AUTO if n == 2],
+    3: [OPTIMIZER] + [_auto(b, bs) for n, b, bs in AUTO if n == 3],
+}
+
+
+def _train(tmp_path_factory, np_, config):
+    """The ranks' records of ``config``: one horovodrun job per number of ranks trains all of
+    that number's configurations in turn, each with its own model, optimizer and compressor."""
+    def job():
+        out = tmp_path_factory.mktemp("torch_train_np%d" % np_)
+        jobs.run(np_, "torch_train.py", out, *TRAINED[np_])
+        return out
+
+    out = jobs.shared(("torch_train", np_), job) / str(TRAINED[np_].index(config))
+    return sim.load_ranks(str(out), np_)
 
 
 @pytest.mark.parametrize("np_", [2, 3])
-def test_optimizer_matches_simulation(tmp_path, np_):
-    ranks = _train(tmp_path, np_, "--steps", 20, "--threshold", 0.5)
+def test_optimizer_matches_simulation(tmp_path_factory, np_):
+    ranks = _train(tmp_path_factory, np_, OPTIMIZER)
     sim.check_training(ranks, 0.5, 20)
     # an ordinary allreduce in the same job is exact
     want = sum(np.arange(10, dtype=np.float32) * (r + 1) + np.float32(0.001) for r in range(np_))
@@ -30,15 +55,13 @@ def test_optimizer_matches_simulation(tmp_path, np_):
     assert "direct" in list(ranks[0]["residual_names"])
 
 
-@pytest.mark.parametrize("np_,block,blocks", [(2, None, 1), (3, None, None), (3, 32, None),
-                                              (2, 16, 4)])
-def test_auto_threshold_matches_simulation(tmp_path, np_, block, blocks):
+@pytest.mark.parametrize("np_,block,blocks", AUTO)
+def test_auto_threshold_matches_simulation(tmp_path_factory, np_, block, blocks):
     """The tensors have 480, 240, 50, 40 and 6 values. blocks=1: one magnitude per tensor, in the
     header. The defaults (blocks of at least 64 values, at most 64 blocks): blocks of 64 for the
     first two, one magnitude for the others. block=32: whole and partial blocks (and 6 values
     are one block). block=16, blocks=4: blocks of 128, 64, 16 and 16 values, and none."""
-    args = (("--block", block) if block else ()) + (("--blocks", blocks) if blocks else ())
-    ranks = _train(tmp_path, np_, "--steps", 12, "--threshold", "auto", "--groups", 2, *args)
+    ranks = _train(tmp_path_factory, np_, _auto(block, blocks))
     sim.check_training(ranks, "auto", 12, block=block, blocks=blocks)
     w = ref.Workers(np_, "auto", block=block, blocks=blocks)
     for i in range(2):
@@ -49,19 +72,19 @@ def test_auto_threshold_matches_simulation(tmp_path, np_, block, blocks):
             np.testing.assert_array_equal(r["direct_out/%d" % i], expect)
 
 
-def test_backward_passes_per_step_and_groups(tmp_path):
-    ranks = _train(tmp_path, 2, "--steps", 12, "--threshold", 0.1, "--bpps", 2, "--groups", 2)
+def test_backward_passes_per_step_and_groups(tmp_path_factory):
+    ranks = _train(tmp_path_factory, 2, BPPS)
     sim.check_training(ranks, 0.1, 12)
 
 
-def test_sum_op_without_names(tmp_path):
-    ranks = _train(tmp_path, 2, "--steps", 8, "--op", "sum", "--no-names")
+def test_sum_op_without_names(tmp_path_factory):
+    ranks = _train(tmp_path_factory, 2, SUM)
     sim.check_training(ranks, 0.5, 8, op="sum")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_precision_gradients(tmp_path, dtype):
-    ranks = _train(tmp_path, 2, "--steps", 6, "--dtype", dtype)
+def test_half_precision_gradients(tmp_path_factory, dtype):
+    ranks = _train(tmp_path_factory, 2, HALF % dtype)
     import torch
     npdt = {"float16": np.float16}.get(dtype)
     if npdt is None:  # numpy has no bfloat16: compare after torch's own cast
@@ -78,7 +101,8 @@ def test_half_precision_gradients(tmp_path, dtype):
 
 
 def test_mpi_controller(tmp_path):
-    ranks = _train(tmp_path, 2, "--steps", 5, mpi=True)
+    jobs.run(2, "torch_train.py", tmp_path, "--steps 5", mpi=True)
+    ranks = sim.load_ranks(str(tmp_path / "0"), 2)
     sim.check_training(ranks, 0.5, 5)
 
 

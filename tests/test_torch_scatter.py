@@ -16,12 +16,25 @@ STEPS = 6
 ODD = (1, 17, 33, 100, 16 * 7 + 3, 3000)
 
 
-def _job(tmp_path, np_, threshold, exchange="scatter"):
-    res = jobs.run(np_, "torch_scatter.py", "--out", tmp_path, "--threshold", threshold,
-                   "--exchange", exchange, "--steps", STEPS)
-    assert res.output.count("uses %s" % jobs.os.path.join(jobs.os.path.dirname(jobs.HERE),
-                                                          "horovod_twobit")) == np_, res
-    return sim.load_ranks(str(tmp_path), np_)
+# (threshold, exchange) each number of ranks runs, in one job
+CONFIGS = {2: [(0.05, "scatter"), ("auto", "scatter"), (0.05, "auto")],
+           3: [(0.05, "scatter"), ("auto", "scatter")],
+           4: [(0.05, "scatter"), ("auto", "scatter"), (0.05, "auto")]}
+
+
+def _job(tmp_path_factory, np_, threshold, exchange="scatter"):
+    """The ranks' records of one threshold and exchange: one horovodrun job per number of ranks
+    runs all of that number's configurations in turn."""
+    def job():
+        out = tmp_path_factory.mktemp("torch_scatter_np%d" % np_)
+        res = jobs.run(np_, "torch_scatter.py", "--out", out, "--steps", STEPS, "--configs",
+                       *["%s:%s" % c for c in CONFIGS[np_]])
+        assert res.output.count("uses %s" % jobs.os.path.join(jobs.os.path.dirname(jobs.HERE),
+                                                              "horovod_twobit")) == np_, res
+        return out
+
+    out = jobs.shared(("torch_scatter", np_), job) / str(CONFIGS[np_].index((threshold, exchange)))
+    return sim.load_ranks(str(out), np_)
 
 
 def _check_training(ranks, w, threshold):
@@ -50,10 +63,10 @@ def _check_training(ranks, w, threshold):
 
 @pytest.mark.parametrize("np_", [2, 3, 4])
 @pytest.mark.parametrize("threshold", [0.05, "auto"])
-def test_scatter_matches_reference(tmp_path, np_, threshold):
+def test_scatter_matches_reference(tmp_path_factory, np_, threshold):
     """DistributedOptimizer with a bucket and a tensor alone, single tensors of odd sizes, op=Sum
     with scale factors, and a NaN on one rank: every result is the reference's, on every rank."""
-    ranks = _job(tmp_path, np_, threshold)
+    ranks = _job(tmp_path_factory, np_, threshold)
     w = ref.Workers(np_, threshold, exchange="scatter")
     _check_training(ranks, w, threshold)
     for r in ranks:  # one alltoall and one allgather per bucket and step, and each bucket's plan
@@ -81,11 +94,11 @@ def test_scatter_matches_reference(tmp_path, np_, threshold):
 
 
 @pytest.mark.parametrize("np_", [2, 4])
-def test_auto_exchange_picks_per_bucket(tmp_path, np_):
+def test_auto_exchange_picks_per_bucket(tmp_path_factory, np_):
     """exchange="auto": each bucket takes the exchange that sends fewer bytes (the same on every
     rank: here allgather for the model's small tensors, scatter for 3000 values from N = 3 on) and
     gets the reference's result."""
-    ranks = _job(tmp_path, np_, 0.05, exchange="auto")
+    ranks = _job(tmp_path_factory, np_, 0.05, exchange="auto")
     w = ref.Workers(np_, 0.05, exchange="auto")
     groups = _check_training(ranks, w, 0.05)
     sizes = {"0.weight": 480, "0.bias": 40, "2.weight": 240, "2.bias": 6}
