@@ -33,6 +33,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import horovod.tensorflow.mpi_ops as mpi_ops  # noqa: E402
 import horovod_twobit  # noqa: E402
 from horovod_twobit.tensorflow import PayloadMismatchError, TwoBitCompressor  # noqa: E402
+from configs import run_each, threshold_exchange  # noqa: E402
 from tf_training import MODES, build_model, key, train  # noqa: E402
 
 hvd.init()
@@ -118,11 +119,7 @@ def run(threshold, exchange):
     return rec
 
 
-for i, spec in enumerate(args.configs):
-    threshold, exchange = spec.split(":")
-    rec = run(threshold if threshold == "auto" else float(threshold), exchange)
-    os.makedirs(os.path.join(args.out, str(i)), exist_ok=True)
-    np.savez(os.path.join(args.out, str(i), "rank%d.npz" % rank), **rec)
+run_each(args.out, args.configs, lambda spec: run(*threshold_exchange(spec)), rank)
 
 
 def case_size_same_words():

@@ -12,7 +12,6 @@ received (agg/<step>/<var>); tests/sim.py replays them against the NumPy N-worke
 """
 
 import argparse
-import os
 
 import numpy as np
 import tensorflow as tf
@@ -27,6 +26,7 @@ args = p.parse_args()
 
 import horovod.tensorflow as hvd  # noqa: E402
 from horovod_twobit.tensorflow import TwoBitCompressor  # noqa: E402
+from configs import run_each  # noqa: E402
 from tf_training import build_model, key, train  # noqa: E402
 
 hvd.init()
@@ -97,9 +97,5 @@ def config(spec):
             num(blocks))
 
 
-for i, spec in enumerate(args.configs):
-    rec = run(*config(spec))
-    os.makedirs(os.path.join(args.out, str(i)), exist_ok=True)
-    np.savez(os.path.join(args.out, str(i), "rank%d.npz" % rank), **rec)
-    print("rank %d config %s done" % (rank, spec), flush=True)
+run_each(args.out, args.configs, lambda spec: run(*config(spec)), rank)
 print("rank %d done" % rank)

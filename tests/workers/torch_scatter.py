@@ -20,6 +20,7 @@ import horovod.torch as hvd
 import horovod.torch.mpi_ops as mpi_ops
 import horovod_twobit
 from horovod_twobit.torch import TwoBitCompressor
+from configs import run_each, threshold_exchange
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -121,9 +122,5 @@ def run(threshold, exchange):
     return rec
 
 
-for i, spec in enumerate(args.configs):
-    threshold, exchange = spec.split(":")
-    rec = run(threshold if threshold == "auto" else float(threshold), exchange)
-    os.makedirs(os.path.join(args.out, str(i)), exist_ok=True)
-    np.savez(os.path.join(args.out, str(i), "rank%d.npz" % rank), **rec)
+run_each(args.out, args.configs, lambda spec: run(*threshold_exchange(spec)), rank)
 print("rank %d done" % rank)

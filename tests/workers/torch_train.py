@@ -6,7 +6,6 @@ configuration i is saved to OUT/<i>/rank<r>.npz. One launch, one torch import.
 """
 
 import argparse
-import os
 import shlex
 import sys
 
@@ -15,6 +14,7 @@ import torch
 
 import horovod.torch as hvd
 from horovod_twobit.torch import TwoBitCompressor
+from configs import run_each
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
@@ -88,8 +88,5 @@ def run(args):
     return rec
 
 
-for i, spec in enumerate(configs):
-    rec = run(p.parse_args(shlex.split(spec)))
-    os.makedirs(os.path.join(out_dir, str(i)), exist_ok=True)
-    np.savez(os.path.join(out_dir, str(i), "rank%d.npz" % rank), **rec)
+run_each(out_dir, configs, lambda spec: run(p.parse_args(shlex.split(spec))), rank)
 print("rank %d done" % rank)

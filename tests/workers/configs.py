@@ -1,0 +1,21 @@
+"""Several configurations in one job (one launch, one framework import): each configuration's
+records go to OUT/<index>/rank<r>.npz, where tests/sim.py's load_ranks reads them."""
+
+import os
+
+import numpy as np
+
+
+def threshold_exchange(spec):
+    """``"0.05:scatter"`` -> (0.05, "scatter"); ``"auto:scatter"`` -> ("auto", "scatter")."""
+    threshold, exchange = spec.split(":")
+    return (threshold if threshold == "auto" else float(threshold)), exchange
+
+
+def run_each(out, specs, run, rank):
+    """``run(spec)`` (a dict of arrays) for each spec in turn, saved as configuration i."""
+    for i, spec in enumerate(specs):
+        rec = run(spec)
+        os.makedirs(os.path.join(out, str(i)), exist_ok=True)
+        np.savez(os.path.join(out, str(i), "rank%d.npz" % rank), **rec)
+        print("rank %d configuration %d (%s) done" % (rank, i, spec), flush=True)
