@@ -41,6 +41,20 @@ def _flat(layout, parts):
     return tf.concat(pieces, 0)
 
 
+def spread(x, words, per_word=wire.VALUES_PER_WORD, axis=-1):
+    """Entry i of ``x`` (along ``axis``) repeated ``words[i] * per_word`` times; ``words`` is
+    static (NumPy). One gather of a per-word index, then a tile: ``tf.repeat`` with a vector of
+    counts is dozens of graph ops and builds a (len(words), max count) mask and tile, many times
+    the bucket's size when many small blocks share a bucket with one large one."""
+    words = np.asarray(words, np.int64)
+    if words.size and not (words == words[0]).all():
+        x = tf.gather(x, np.repeat(np.arange(words.size, dtype=np.int32), words), axis=axis)
+        reps = per_word
+    else:
+        reps = int(words[0]) * per_word if words.size else 0
+    return x if reps == 1 else tf.repeat(x, reps, axis=axis)
+
+
 def segment_levels(layout, x, rule):
     """(thresholds, magnitudes) of every segment of an "auto" layout, from the flat float32 r + g:
     equal-length segments in one reduction each, exactly as one tensor or block is reduced."""
@@ -90,8 +104,7 @@ class BucketExchange:
         mags = []
         if lay.auto:
             ts, vs = segment_levels(lay, self.before + self.grad, compressor.auto_rule)
-            span = np.asarray(lay.seg_words) * wire.VALUES_PER_WORD
-            self.threshold, self.magnitude = tf.repeat(ts, span), tf.repeat(vs, span)
+            self.threshold, self.magnitude = spread(ts, lay.seg_words), spread(vs, lay.seg_words)
             mags = [tf.bitcast(vs, tf.int32)]
         else:
             self.threshold = self.magnitude = compressor.threshold
@@ -119,11 +132,10 @@ class BucketExchange:
         raw = tf.bitcast(rows[:, wire.BUCKET_HEADER_WORDS:lay.head_words], tf.uint8)
         member_bad = tf.reduce_any(tf.not_equal(tf.reshape(raw, [nranks, 4 * fw])[:, :lay.members],
                                                 0), 0)
-        bad = tf.repeat(tf.logical_or(member_bad, tf.logical_not(checked)),
-                        np.asarray(lay.member_words) * wire.VALUES_PER_WORD)
+        bad = spread(tf.logical_or(member_bad, tf.logical_not(checked)), lay.member_words)
         if lay.auto:
             mags = tf.bitcast(rows[:, lay.head_words:lay.body], tf.float32)
-            ts = tf.repeat(mags, np.asarray(lay.seg_words), axis=1)
+            ts = spread(mags, lay.seg_words, per_word=1, axis=1)
         else:
             ts = tf.fill([nranks], tf.constant(self.threshold, tf.float32))
         if self.op == mpi_ops.Average:  # a run-time divisor (see communicator.Exchange.finish)

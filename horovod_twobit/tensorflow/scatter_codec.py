@@ -25,7 +25,7 @@ import tensorflow as tf
 from .. import scatter_wire as sw
 from .. import wire
 from . import codec
-from .bucket import grouped_levels
+from .bucket import grouped_levels, spread
 
 
 def guard(ok, host, inputs):
@@ -93,10 +93,10 @@ def _check_reduced(chunks, names, gathered):
 def piece_values(chunks, c, per_piece, per_word=False):
     """One value per piece of chunk ``c`` repeated over the piece's words (``per_word``) or over
     the chunk's values."""
-    words = np.asarray([p[4] for p in chunks.pieces[c]], np.int32)
+    words = [p[4] for p in chunks.pieces[c]]
     if per_word:
-        return tf.repeat(per_piece, words, axis=-1)
-    return tf.repeat(per_piece, 16 * words, axis=-1)[..., :chunks.values(c)]
+        return spread(per_piece, words, per_word=1)
+    return spread(per_piece, words)[..., :chunks.values(c)]
 
 
 def owner_reduce(chunks, received, splits, names, owner, threshold, rule, residual=None):
@@ -216,6 +216,6 @@ def finish_reduced(chunks, gathered, names, threshold, bad, divisor, scale):
     out = out / divisor
     if scale != 1.0:
         out = out * tf.constant(scale, tf.float32)
-    keep = tf.repeat(tf.logical_or(bad, tf.logical_not(checked)),
-                     16 * np.asarray(layout.member_words))[:layout.values]
+    keep = spread(tf.logical_or(bad, tf.logical_not(checked)),
+                  layout.member_words)[:layout.values]
     return tf.where(keep, tf.constant(float("nan"), tf.float32), out), keep
