@@ -149,9 +149,9 @@ def test_scatter_four_hosts_matches_reference(vc, tmp_path):
     """The scatter exchange across 4 hosts ("auto": owners' residuals) gives the NumPy
     reference's results, bit for bit, on every host."""
     from test_torch_scatter import STEPS, _check_training
-    _run(vc, 4, "torch_scatter.py", "--out", tmp_path, "--threshold", "auto", "--exchange",
-         "scatter", "--steps", STEPS)
-    ranks = sim.load_ranks(str(tmp_path), 4)
+    _run(vc, 4, "torch_scatter.py", "--out", tmp_path, "--configs", "auto:scatter",
+         "--steps", STEPS)
+    ranks = sim.load_ranks(str(tmp_path / "0"), 4)
     _check_training(ranks, ref.Workers(4, "auto", exchange="scatter"), "auto")
 
 
