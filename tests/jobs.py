@@ -60,7 +60,7 @@ def built():
                              env=job_env(), timeout=120)
         if out.returncode != 0:
             pytest.fail("cannot ask Horovod what it was built with:\n%s" % out.stderr[-3000:])
-        _BUILT.append(out.stdout.strip().splitlines()[-1])
+        _BUILT.append((out.stdout.strip().splitlines() or [""])[-1])  # "" if neither was built
     return _BUILT[0]
 
 
