@@ -3,10 +3,12 @@ PyTorch DDP with its communication hooks (fp16_compress_hook, quantization_perte
 powerSGD_hook), over the same shaped links.
 
 For every rate and model it trains for a fixed number of steps on N hosts (network namespaces with
-their own sshd, see horovod_twobit/cluster/) and reports the median step time, the bytes each host
-put on the wire per step (its interface counters around the timed steps), and the loss after the
-steps on a fixed evaluation batch. Horovod jobs go through horovodrun over ssh; DDP jobs are started
-in every host with ``ip netns exec`` (torch.distributed, gloo backend, MASTER_ADDR = host 0).
+their own sshd, see horovod_twobit/cluster/) and reports the median step time, the CPU time a host
+spends per step, the bytes each host put on the wire per step (its interface counters around each
+timed step), and the loss after the steps on a fixed evaluation batch. The Horovod methods of a
+model run in one horovodrun job over ssh and take turns step by step (``examples/_cluster_worker.py``;
+``--job-per-method`` gives each its own job); DDP jobs are started in every host with
+``ip netns exec`` (torch.distributed, gloo backend, MASTER_ADDR = host 0), one per method.
 
 Needs root (network namespaces). Quick run::
 
@@ -37,209 +39,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
+from examples._cluster_worker import THRESHOLDS, TWOBIT, worker  # noqa: E402
+
 HOROVOD_METHODS = {"none": "Horovod, no compression", "fp16": "Horovod, Compression.fp16",
                    "twobit": "Horovod, TwoBitCompressor",
                    "auto": 'Horovod, TwoBitCompressor("auto")',
                    "scatter": 'Horovod, TwoBitCompressor(exchange="scatter")',
                    "scatter_auto": 'Horovod, TwoBitCompressor("auto", exchange="scatter")'}
-# the TwoBitCompressor methods: (fixed threshold or "auto", exchange)
-TWOBIT = {"twobit": ("fixed", "allgather"), "auto": ("auto", "allgather"),
-          "scatter": ("fixed", "scatter"), "scatter_auto": ("auto", "scatter")}
 DDP_METHODS = {"ddp": "DDP, no hook", "ddp_fp16": "DDP, fp16_compress_hook",
                "ddp_quant": "DDP, quantization_pertensor_hook*", "ddp_powersgd": "DDP, powerSGD_hook**"}
 ALL_METHODS = dict(HOROVOD_METHODS, **DDP_METHODS)
 DEFAULT_METHODS = "none,fp16,twobit,ddp_fp16,ddp_quant,ddp_powersgd"
-# about 3x the mean |gradient| of each model at step 0
-THRESHOLDS = {"mlp": 1e-3, "cnn": 1e-2, "resnet": 1e-2, "transformer": 1e-2}
-# models with many small tensors, from examples/bench_buckets.py (its names)
-MANY_TENSORS = {"resnet": "cnn", "transformer": "transformer"}
-
-
-# ---------------------------------------------------------------------- models and data
-def build(model, args):
-    """(net, batch): the model, and batch(rank, step, size) -> (x, y), a regression onto a fixed
-    random linear map of the inputs (a teacher), the same on every run."""
-    import torch
-    torch.manual_seed(0)
-    nn = torch.nn
-    if model in MANY_TENSORS:  # examples/bench_buckets.py's models, many small tensors
-        from examples.bench_buckets import torch_model
-        net, data, _ = torch_model(MANY_TENSORS[model])
-        if model == "transformer":  # token ids: the teacher reads their one-hot average
-            t = teacher((100,))
-
-            def batch(rank, step, size):
-                g = torch.Generator().manual_seed(100003 * rank + step)
-                x = torch.randint(0, 100, (size, 32), generator=g)
-                return x, torch.nn.functional.one_hot(x, 100).float().mean(1) @ t
-            return net, batch
-        shape = (3, 16, 16)
-    elif model == "mlp":
-        h = args.mlp_hidden
-        net = nn.Sequential(nn.Linear(args.mlp_in, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(),
-                            nn.Linear(h, 10))
-        shape = (args.mlp_in,)
-    elif model == "cnn":
-        c = args.cnn_channels
-        net = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                            nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                            nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                            nn.Flatten(), nn.Linear(2 * c * 4 * 4, 10))
-        shape = (3, 32, 32)
-    else:
-        raise ValueError("unknown model %r (%s)" % (model, ", ".join(THRESHOLDS)))
-    t = teacher(shape)
-
-    def batch(rank, step, size):
-        g = torch.Generator().manual_seed(100003 * rank + step)
-        x = torch.randn((size,) + shape, generator=g)
-        return x, x.reshape(size, -1) @ t
-    return net, batch
-
-
-def teacher(shape):
-    """A fixed linear map from inputs to 10 targets: the task every method learns."""
-    import torch
-    g = torch.Generator().manual_seed(123)
-    n = 1
-    for s in shape:
-        n *= s
-    return torch.randn(n, 10, generator=g) / n ** 0.5
-
-
-def eval_loss(net, batch):
-    import torch
-    with torch.no_grad():
-        x, y = batch(999, 999, 256)
-        return float(((net(x) - y) ** 2).mean())
-
-
-# ---------------------------------------------------------------------- workers
-def quantization_pertensor_hook(process_group, bucket):
-    """torch's ``quantization_pertensor_hook`` (uint8 per-tensor min/max quantization, allgather,
-    dequantize and average), with two fixes needed on the gloo backend (torch 2.13):
-
-    * the stock hook indexes ``fut.wait()[0]``, which on gloo is rank 0's tensor rather than the
-      list of all ranks' ("IndexError: index 2 is out of bounds" on more than 2 ranks);
-    * it issues and waits for its second all_gather inside a future callback; with several
-      buckets (the 21M-parameter MLP, 4 ranks) the job hung there.
-
-    Here both all_gathers run in the hook itself, in bucket order, and the result is returned as a
-    completed future: same bytes on the wire, no overlap of this bucket's exchange with backward."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks import (
-        _dequantize_per_tensor_backend, _quantize_per_tensor_backend)
-    group = process_group if process_group is not None else dist.group.WORLD
-    rank, world = dist.get_rank(group), group.size()
-    tensor = bucket.buffer()
-    observer = torch.ao.quantization.MinMaxObserver()
-    observer(tensor)
-    s, z = observer.calculate_qparams()
-    s_and_z = torch.tensor([float(s), float(z)], dtype=torch.float32)
-    all_s_and_z = [torch.zeros_like(s_and_z) for _ in range(world)]
-    dist.all_gather(all_s_and_z, s_and_z, group=group)
-    q = _quantize_per_tensor_backend(tensor, all_s_and_z[rank][0], all_s_and_z[rank][1])
-    quantized = [torch.zeros_like(q) for _ in range(world)]
-    dist.all_gather(quantized, q, group=group)
-    out = torch.zeros_like(tensor, dtype=torch.float32)
-    for r, qr in enumerate(quantized):
-        out += _dequantize_per_tensor_backend(qr, all_s_and_z[r][0], all_s_and_z[r][1])
-    fut = torch.futures.Future()
-    fut.set_result((out / world).to(tensor.dtype))
-    return fut
-
-
-def worker(args):
-    import torch
-    from horovod_twobit.cluster import iface_bytes
-
-    torch.set_num_threads(args.threads)
-    net, batch = build(args.model, args)
-    threshold = args.threshold or THRESHOLDS[args.model]
-
-    if args.worker == "horovod":
-        import horovod.torch as hvd
-        hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-        if args.method in TWOBIT:
-            from horovod_twobit.torch import TwoBitCompressor
-            kind, exchange = TWOBIT[args.method]
-            compression = TwoBitCompressor(threshold if kind == "fixed" else "auto",
-                                           exchange=exchange)
-        else:
-            compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.method]
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=args.lr),
-                                       named_parameters=net.named_parameters(),
-                                       compression=compression)
-        model = net
-
-        def barrier():
-            hvd.allreduce(torch.zeros(1), name="barrier", op=hvd.Sum)
-    else:
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        rank, size = args.rank, args.world
-        dist.init_process_group("gloo", init_method="tcp://%s:%d" % (args.master, args.port),
-                                rank=rank, world_size=size)
-        # powerSGD_hook issues its allreduces from future callbacks: with several buckets in
-        # flight they reach gloo in different orders on different ranks (a collective mismatch
-        # that crashes the job), so it gets one bucket for the whole model.
-        cap = {"bucket_cap_mb": 4096} if args.method == "ddp_powersgd" else {}
-        model = DDP(net, **cap)  # broadcasts rank 0's parameters
-        if args.method == "ddp_fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif args.method == "ddp_quant":
-            model.register_comm_hook(None, quantization_pertensor_hook)
-        elif args.method == "ddp_powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
-                                                start_powerSGD_iter=2)
-            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-
-        def barrier():
-            dist.barrier()
-
-    def step(i):
-        x, y = batch(rank, i, args.batch)
-        opt.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-
-    loss0 = eval_loss(net, batch)
-    for i in range(args.warmup):
-        step(i)
-    barrier()
-    rx0, tx0 = iface_bytes(args.iface)
-    times, losses = [], []
-    for i in range(args.warmup, args.warmup + args.steps):
-        t0 = time.perf_counter()
-        losses.append(step(i))
-        times.append(time.perf_counter() - t0)
-    barrier()
-    rx1, tx1 = iface_bytes(args.iface)
-    res = {"rank": rank, "size": size, "times": times, "train_losses": losses,
-           "tx": tx1 - tx0, "rx": rx1 - rx0, "steps": args.steps,
-           "eval_loss_start": loss0, "eval_loss": eval_loss(net, batch),
-           "params": sum(p.numel() for p in net.parameters()),
-           "threshold": threshold if TWOBIT.get(args.method, ("",))[0] == "fixed" else None}
-    with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
-        json.dump(res, f)
-    if args.worker == "ddp":
-        import torch.distributed as dist
-        dist.destroy_process_group()
-    return 0
 
 
 # ---------------------------------------------------------------------- driver
-def run_one(c, args, model, method, rate, log):
+def run_job(c, args, model, methods, rate, log):
+    """Runs the methods (all Horovod, taking turns in one job, or one DDP method); returns one
+    result row per method."""
     out = tempfile.mkdtemp(prefix="bench-", dir=args.work)
-    common = ["--model", model, "--method", method, "--steps", args.steps, "--warmup",
+    common = ["--model", model, "--method", ",".join(methods), "--steps", args.steps, "--warmup",
               args.warmup, "--batch", args.batch, "--lr", args.lr, "--out", out, "--iface", c.iface,
               "--mlp-hidden", args.mlp_hidden, "--mlp-in", args.mlp_in, "--cnn-channels",
               args.cnn_channels, "--threads", args.threads]
@@ -250,7 +68,7 @@ def run_one(c, args, model, method, rate, log):
     env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": str(args.threads), "TF_CPP_MIN_LOG_LEVEL": "3",
            "GLOO_SOCKET_IFNAME": c.iface, "HOROVOD_GLOO_TIMEOUT_SECONDS": "600"}
     script = os.path.abspath(__file__)
-    if method in HOROVOD_METHODS:
+    if methods[0] in HOROVOD_METHODS:
         res = c.horovodrun(1, [sys.executable, script, "--worker", "horovod"] + common,
                            timeout=args.job_timeout, env=env, stream=log)
     else:
@@ -261,17 +79,30 @@ def run_one(c, args, model, method, rate, log):
     ranks = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(out, "rank*.json")))]
     shutil.rmtree(out, ignore_errors=True)
     if res.returncode != 0 or len(ranks) != c.n_hosts:
-        print("  %s %s at %s FAILED (rc=%s):\n%s" % (model, method, rate, res.returncode,
+        print("  %s %s at %s FAILED (rc=%s):\n%s" % (model, ",".join(methods), rate, res.returncode,
                                                       res.output[-3000:]), flush=True)
-        return {"model": model, "method": method, "rate": rate, "failed": True,
-                "error": res.output[-1000:]}
-    step_max = [max(r["times"][i] for r in ranks) for i in range(args.steps)]
-    return {"model": model, "method": method, "rate": rate, "failed": False,
-            "params": ranks[0]["params"],
-            "median_step_s": statistics.median(step_max),
-            "bytes_per_step": statistics.mean(r["tx"] for r in ranks) / args.steps,
-            "eval_loss": ranks[0]["eval_loss"], "eval_loss_start": ranks[0]["eval_loss_start"],
-            "threshold": ranks[0]["threshold"], "job_s": res.seconds}
+        return [{"model": model, "method": m, "rate": rate, "failed": True,
+                 "error": res.output[-1000:]} for m in methods]
+    rows = []
+    for m in methods:
+        per_rank = [r["methods"][m] for r in ranks]
+        step_max = [max(r["times"][i] for r in per_rank) for i in range(args.steps)]
+        rows.append({"model": model, "method": m, "rate": rate, "failed": False,
+                     "params": ranks[0]["params"], "median_step_s": statistics.median(step_max),
+                     "cpu_step_s": statistics.median(statistics.median(r["cpu"]) for r in per_rank),
+                     "bytes_per_step": statistics.mean(r["tx"] for r in per_rank) / args.steps,
+                     "eval_loss": per_rank[0]["eval_loss"],
+                     "eval_loss_start": per_rank[0]["eval_loss_start"],
+                     "threshold": per_rank[0]["threshold"], "job_s": res.seconds})
+    return rows
+
+
+def jobs(methods, args):
+    """The methods grouped into jobs: the Horovod ones together (unless --job-per-method), every
+    DDP method alone."""
+    hvd = [m for m in methods if m in HOROVOD_METHODS]
+    grouped = [hvd] if hvd and not args.job_per_method else [[m] for m in hvd]
+    return grouped + [[m] for m in methods if m not in HOROVOD_METHODS]
 
 
 def fmt_bytes(b):
@@ -279,22 +110,23 @@ def fmt_bytes(b):
 
 
 def table(results, args):
-    lines = ["| rate | model | method | median step (s) | speed-up vs Horovod none | sent per host "
-             "per step | loss after %d steps (start) |" % (args.warmup + args.steps),
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| rate | model | method | median step (s) | speed-up vs Horovod none | CPU per host "
+             "per step (s) | sent per host per step | loss after %d steps (start) |"
+             % (args.warmup + args.steps), "|---|---|---|---:|---:|---:|---:|---:|"]
     base = {(r["rate"], r["model"]): r for r in results if r["method"] == "none" and not r["failed"]}
     for r in results:
         label = ALL_METHODS[r["method"]]
         if r["method"] in TWOBIT and r.get("threshold"):
             label += " (t=%g)" % r["threshold"]
         if r["failed"]:
-            lines.append("| %s | %s | %s | failed | | | |" % (r["rate"], r["model"], label))
+            lines.append("| %s | %s | %s | failed | | | | |" % (r["rate"], r["model"], label))
             continue
         b = base.get((r["rate"], r["model"]))
         speed = "%.2fx" % (b["median_step_s"] / r["median_step_s"]) if b else ""
-        lines.append("| %s | %s (%s params) | %s | %.3f | %s | %s | %.4f (%.4f) |" % (
+        cpu = "%.3f" % r["cpu_step_s"] if "cpu_step_s" in r else ""
+        lines.append("| %s | %s (%s params) | %s | %.3f | %s | %s | %s | %.4f (%.4f) |" % (
             r["rate"], r["model"], "%.1fM" % (r["params"] / 1e6) if r["params"] >= 1e6
-            else "%.1fk" % (r["params"] / 1e3), label, r["median_step_s"], speed,
+            else "%.1fk" % (r["params"] / 1e3), label, r["median_step_s"], speed, cpu,
             fmt_bytes(r["bytes_per_step"]), r["eval_loss"], r["eval_loss_start"]))
     return "\n".join(lines)
 
@@ -368,15 +200,17 @@ def driver(args):
             with VirtualCluster(n_hosts=args.hosts, rate=rate, iface=args.iface, subnet=args.subnet) as c:
                 print(c.describe(), flush=True)
                 for model in args.models.split(","):
-                    for method in methods:
+                    for group in jobs(methods, args):
                         t0 = time.time()
-                        r = run_one(c, args, model, method, rate, log)
-                        results.append(r)
-                        if not r["failed"]:
-                            print("  %-4s %-13s %-7s median step %.3f s, %s/step/host, loss %.4f "
-                                  "(job %.0f s)" % (model, method, rate, r["median_step_s"],
-                                                    fmt_bytes(r["bytes_per_step"]), r["eval_loss"],
-                                                    time.time() - t0), flush=True)
+                        rows = run_job(c, args, model, group, rate, log)
+                        results += rows
+                        for r in rows:
+                            if not r["failed"]:
+                                print("  %-4s %-13s %-7s median step %.3f s, CPU %.3f s, %s/step/"
+                                      "host, loss %.4f (job %.0f s)" % (
+                                          model, r["method"], rate, r["median_step_s"],
+                                          r["cpu_step_s"], fmt_bytes(r["bytes_per_step"]),
+                                          r["eval_loss"], time.time() - t0), flush=True)
     finally:
         log.close()
         shutil.rmtree(args.work, ignore_errors=True)
@@ -390,10 +224,13 @@ def driver(args):
         methods = list(dict.fromkeys(r["method"] for r in results))
     md = ["# horovod-twobit: %d-host virtual cluster benchmark" % args.hosts, "",
           "Machine: %s. All %d hosts share these cores." % (machine(), args.hosts),
-          "Steps: %d warm-up + %d timed, batch %d per host, SGD lr %g; median over the timed steps "
-          "of the slowest host's step time; bytes = the host's interface tx counter over the timed "
-          "steps (headers and control traffic included), mean over hosts." % (
-              args.warmup, args.steps, args.batch, args.lr), "",
+          "Steps: %d warm-up + %d timed, batch %d per host, SGD lr %g, %s; median over the timed "
+          "steps of the slowest host's step time; CPU = the median of a host's process CPU time "
+          "per step (all its threads), median over hosts; bytes = the host's interface tx "
+          "counter around the timed steps (headers and control traffic included), mean over "
+          "hosts." % (args.warmup, args.steps, args.batch, args.lr,
+                      "one job per method" if args.job_per_method else
+                      "the Horovod methods of a model in one job, taking turns step by step"), "",
           table(results, args), ""]
     if "ddp_quant" in methods:
         md += ["\\* torch's hook fails on gloo in torch 2.13 (it reads `fut.wait()[0]`, rank 0's "
@@ -442,6 +279,9 @@ def main(argv=None):
     ap.add_argument("--iface", default="hvd0")
     ap.add_argument("--subnet", default="10.77.0.0/24")
     ap.add_argument("--out", default=os.path.join(REPO, "build", "bench_cluster"))
+    ap.add_argument("--job-per-method", action="store_true",
+                    help="one horovodrun job per Horovod method instead of one per model with the "
+                         "methods taking turns step by step")
     ap.add_argument("--append", action="store_true",
                     help="merge into <out>/bench_cluster.json: rows of this run replace the same "
                          "rate/model/method, the others stay")

@@ -1,0 +1,232 @@
+"""The worker side of ``examples/bench_cluster.py``: the models, torch's quantization hook fixed
+for gloo, and the training loop each host runs.
+
+Horovod methods of one model share one job (``--method a,b,c``): every method builds its own copy
+of the model (same initial weights, its own tensor names) and the methods take turns step by step
+(step i of every method, in an order that rotates with i, each step after a barrier), so a change
+in the machine's load falls on every method alike. For each method and step the worker records the wall time, the CPU time of
+its process (all its threads: the training thread and Horovod's) and the bytes its host's
+interface sent and received. DDP methods run one per job.
+"""
+
+import json
+import os
+import time
+
+# the TwoBitCompressor methods: (fixed threshold or "auto", exchange)
+TWOBIT = {"twobit": ("fixed", "allgather"), "auto": ("auto", "allgather"),
+          "scatter": ("fixed", "scatter"), "scatter_auto": ("auto", "scatter")}
+# about 3x the mean |gradient| of each model at step 0
+THRESHOLDS = {"mlp": 1e-3, "cnn": 1e-2, "resnet": 1e-2, "transformer": 1e-2}
+# models with many small tensors, from examples/bench_buckets.py (its names)
+MANY_TENSORS = {"resnet": "cnn", "transformer": "transformer"}
+
+
+def build(model, args):
+    """(net, batch): the model, and batch(rank, step, size) -> (x, y), a regression onto a fixed
+    random linear map of the inputs (a teacher), the same on every run."""
+    import torch
+    torch.manual_seed(0)
+    nn = torch.nn
+    if model in MANY_TENSORS:  # examples/bench_buckets.py's models, many small tensors
+        from examples.bench_buckets import torch_model
+        net, data, _ = torch_model(MANY_TENSORS[model])
+        if model == "transformer":  # token ids: the teacher reads their one-hot average
+            t = teacher((100,))
+
+            def batch(rank, step, size):
+                g = torch.Generator().manual_seed(100003 * rank + step)
+                x = torch.randint(0, 100, (size, 32), generator=g)
+                return x, torch.nn.functional.one_hot(x, 100).float().mean(1) @ t
+            return net, batch
+        shape = (3, 16, 16)
+    elif model == "mlp":
+        h = args.mlp_hidden
+        net = nn.Sequential(nn.Linear(args.mlp_in, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(),
+                            nn.Linear(h, 10))
+        shape = (args.mlp_in,)
+    elif model == "cnn":
+        c = args.cnn_channels
+        net = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                            nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                            nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                            nn.Flatten(), nn.Linear(2 * c * 4 * 4, 10))
+        shape = (3, 32, 32)
+    else:
+        raise ValueError("unknown model %r (%s)" % (model, ", ".join(THRESHOLDS)))
+    t = teacher(shape)
+
+    def batch(rank, step, size):
+        g = torch.Generator().manual_seed(100003 * rank + step)
+        x = torch.randn((size,) + shape, generator=g)
+        return x, x.reshape(size, -1) @ t
+    return net, batch
+
+
+def teacher(shape):
+    """A fixed linear map from inputs to 10 targets: the task every method learns."""
+    import torch
+    g = torch.Generator().manual_seed(123)
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.randn(n, 10, generator=g) / n ** 0.5
+
+
+def eval_loss(net, batch):
+    import torch
+    with torch.no_grad():
+        x, y = batch(999, 999, 256)
+        return float(((net(x) - y) ** 2).mean())
+
+
+def quantization_pertensor_hook(process_group, bucket):
+    """torch's ``quantization_pertensor_hook`` (uint8 per-tensor min/max quantization, allgather,
+    dequantize and average), with two fixes needed on the gloo backend (torch 2.13):
+
+    * the stock hook indexes ``fut.wait()[0]``, which on gloo is rank 0's tensor rather than the
+      list of all ranks' ("IndexError: index 2 is out of bounds" on more than 2 ranks);
+    * it issues and waits for its second all_gather inside a future callback; with several
+      buckets (the 21M-parameter MLP, 4 ranks) the job hung there.
+
+    Here both all_gathers run in the hook itself, in bucket order, and the result is returned as a
+    completed future: same bytes on the wire, no overlap of this bucket's exchange with backward."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks import (
+        _dequantize_per_tensor_backend, _quantize_per_tensor_backend)
+    group = process_group if process_group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), group.size()
+    tensor = bucket.buffer()
+    observer = torch.ao.quantization.MinMaxObserver()
+    observer(tensor)
+    s, z = observer.calculate_qparams()
+    s_and_z = torch.tensor([float(s), float(z)], dtype=torch.float32)
+    all_s_and_z = [torch.zeros_like(s_and_z) for _ in range(world)]
+    dist.all_gather(all_s_and_z, s_and_z, group=group)
+    q = _quantize_per_tensor_backend(tensor, all_s_and_z[rank][0], all_s_and_z[rank][1])
+    quantized = [torch.zeros_like(q) for _ in range(world)]
+    dist.all_gather(quantized, q, group=group)
+    out = torch.zeros_like(tensor, dtype=torch.float32)
+    for r, qr in enumerate(quantized):
+        out += _dequantize_per_tensor_backend(qr, all_s_and_z[r][0], all_s_and_z[r][1])
+    fut = torch.futures.Future()
+    fut.set_result((out / world).to(tensor.dtype))
+    return fut
+
+
+def horovod_setup(args, methods):
+    """[(method, net, batch, optimizer)] for every Horovod method, and a barrier."""
+    import torch
+    import horovod.torch as hvd
+    hvd.init()
+    runs = []
+    for method in methods:
+        net, batch = build(args.model, args)
+        if runs:  # the same start for every method, without broadcasting the model again
+            net.load_state_dict(runs[0][1].state_dict())
+        else:
+            hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+        if method in TWOBIT:
+            from horovod_twobit.torch import TwoBitCompressor
+            kind, exchange = TWOBIT[method]
+            threshold = args.threshold or THRESHOLDS[args.model]
+            compression = TwoBitCompressor(threshold if kind == "fixed" else "auto",
+                                           exchange=exchange)
+        else:
+            compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=args.lr),
+            named_parameters=[(method + "." + n, p) for n, p in net.named_parameters()],
+            compression=compression)
+        runs.append((method, net, net, batch, opt))
+
+    def barrier():
+        hvd.allreduce(torch.zeros(1), name="barrier", op=hvd.Sum)
+    return runs, hvd.rank(), hvd.size(), barrier
+
+
+def ddp_setup(args, method):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo", init_method="tcp://%s:%d" % (args.master, args.port),
+                            rank=args.rank, world_size=args.world)
+    net, batch = build(args.model, args)
+    # powerSGD_hook issues its allreduces from future callbacks: with several buckets in
+    # flight they reach gloo in different orders on different ranks (a collective mismatch
+    # that crashes the job), so it gets one bucket for the whole model.
+    cap = {"bucket_cap_mb": 4096} if method == "ddp_powersgd" else {}
+    model = DDP(net, **cap)  # broadcasts rank 0's parameters
+    if method == "ddp_fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif method == "ddp_quant":
+        model.register_comm_hook(None, quantization_pertensor_hook)
+    elif method == "ddp_powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    return [(method, net, model, batch, opt)], args.rank, args.world, dist.barrier
+
+
+def worker(args):
+    """Trains every method of ``args.method`` (comma-separated) in turns and writes
+    ``<out>/rank<r>.json``: per method, the step times, CPU times, bytes and losses."""
+    import torch
+    from horovod_twobit.cluster import iface_bytes
+
+    torch.set_num_threads(args.threads)
+    methods = args.method.split(",")
+    if args.worker == "horovod":
+        runs, rank, size, barrier = horovod_setup(args, methods)
+    else:
+        runs, rank, size, barrier = ddp_setup(args, methods[0])
+    rec = {m: {"times": [], "cpu": [], "tx": 0, "rx": 0, "train_losses": []} for m in methods}
+
+    def step(run, i):
+        _, _, model, batch, opt = run
+        x, y = batch(rank, i, args.batch)
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    loss0 = eval_loss(runs[0][1], runs[0][3])
+    for run in runs:
+        for i in range(args.warmup):
+            step(run, i)
+    barrier()
+    for i in range(args.warmup, args.warmup + args.steps):
+        k = i % len(runs)
+        for run in runs[k:] + runs[:k]:
+            r = rec[run[0]]
+            # A rank leaves a collective once it has received everything, while what it sent can
+            # still wait in its link's queue: the barrier lets that drain, so that a step neither
+            # waits behind the previous method's bytes nor counts them.
+            barrier()
+            rx0, tx0 = iface_bytes(args.iface)
+            t0, c0 = time.perf_counter(), time.process_time()
+            r["train_losses"].append(step(run, i))
+            r["times"].append(time.perf_counter() - t0)
+            r["cpu"].append(time.process_time() - c0)
+            rx1, tx1 = iface_bytes(args.iface)
+            r["tx"] += tx1 - tx0
+            r["rx"] += rx1 - rx0
+    barrier()
+    for method, net, _, batch, _ in runs:
+        rec[method].update(eval_loss_start=loss0, eval_loss=eval_loss(net, batch),
+                           steps=args.steps,
+                           threshold=(args.threshold or THRESHOLDS[args.model])
+                           if TWOBIT.get(method, ("",))[0] == "fixed" else None)
+    res = {"rank": rank, "size": size, "methods": rec,
+           "params": sum(p.numel() for p in runs[0][1].parameters())}
+    with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
+        json.dump(res, f)
+    if args.worker == "ddp":
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return 0
