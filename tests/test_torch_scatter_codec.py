@@ -161,3 +161,23 @@ def test_count_planes_match_reference():
         assert words.tolist() == rs.pack_counts(c, n).tolist()
         back = scatter_codec.unpack_counts(words, c.size, sw.count_bits(n), n)
         np.testing.assert_array_equal(back.numpy(), c.astype(np.float32))
+
+
+@pytest.mark.parametrize("n,size", [(2, 70001), (8, 65536 + 32 * 7 + 5), (100, 100003)])
+def test_compiled_count_planes_match_reference(n, size):
+    """From COMPILE_MIN_NUMEL values the planes are packed, and the counts scaled, by compiled
+    bodies: the same words as the reference, and the same floats as the eager path's
+    (count - n) * t / divisor * scale."""
+    from horovod_twobit.torch import kernels
+    assert size >= kernels.COMPILE_MIN_NUMEL
+    c = np.random.default_rng(n).integers(-n, n + 1, size)
+    bits = sw.count_bits(n)
+    words = scatter_codec.pack_counts(torch.from_numpy(c + n).to(torch.int32), bits)
+    assert words.tolist() == rs.pack_counts(c, n).tolist()
+    t, div, scale = (torch.tensor(x, dtype=torch.float32) for x in (0.05, float(n), 0.7))
+    got = scatter_codec.count_values(words, size, bits, n, t, div, scale)
+    want = scatter_codec.unpack_counts(words, size, bits, n) * t / div * scale
+    assert got.shape == (size,)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    np.testing.assert_array_equal(scatter_codec.unpack_counts(words, size, bits, n).numpy(),
+                                  c.astype(np.float32))

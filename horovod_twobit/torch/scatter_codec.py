@@ -153,6 +153,31 @@ def _spread(device):
     return t
 
 
+def _pack_counts_body(u, bits):
+    """pack_counts of ``u`` (int32, a multiple of 32 values) as one pass per plane word: the sum
+    of bit j of its 32 values, each shifted to its own place (an int64 below 2^32), then wrapped
+    to int32."""
+    js = torch.arange(bits, dtype=torch.int32, device=u.device).view(-1, 1, 1)
+    ks = torch.arange(32, dtype=torch.int64, device=u.device)
+    w = (((u.view(1, -1, 32) >> js) & 1).to(torch.int64) << ks).sum(-1)
+    return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32).reshape(-1)
+
+
+def _count_values_body(words, nranks, thr, div, sc):
+    """((count - nranks) * thr / div * sc) in float32 for every value of ``words``, the (bits,
+    words) count planes, in that order of operations (as the eager path). The planes are unrolled
+    (one compilation per number of bits): a reduction over them compiles to a slower loop."""
+    ks = torch.arange(32, dtype=torch.int32, device=words.device)
+    u = (words[0].unsqueeze(-1) >> ks) & 1
+    for j in range(1, words.shape[0]):
+        u = u | (((words[j].unsqueeze(-1) >> ks) & 1) << j)
+    return (u.reshape(-1).to(torch.float32) - nranks) * thr / div * sc
+
+
+kernels._BODIES["pack_counts"] = _pack_counts_body
+kernels._BODIES["count_values"] = _count_values_body
+
+
 def pack_counts(u, bits):
     """Bit planes of the unsigned counts ``u`` (int32, 0..2N, 16 values a word): ``bits`` planes
     of ceil(n / 32) int32 words, plane j holding bit j of value k at bit k % 32 of word k // 32
@@ -160,6 +185,8 @@ def pack_counts(u, bits):
     if not u.numel():
         return u.new_empty(0)
     u = torch.nn.functional.pad(u, (0, (-u.numel()) % 32))
+    if u.numel() >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled:
+        return kernels._run("pack_counts", u, bits)
     js = torch.arange(bits, dtype=torch.int32, device=u.device).view(-1, 1)
     ones = ((u.unsqueeze(0) >> js) & 1).to(torch.uint8)  # (bits, n): one byte per bit
     byte = ((ones.view(torch.int64) * _GATHER) >> 56) & 0xFF  # 8 bits into one byte
@@ -176,6 +203,16 @@ def unpack_counts(words, nvalues, bits, nranks):
     for j in range(1, bits):
         u |= ones[j] << j
     return u[:nvalues].to(torch.float32) - nranks
+
+
+def count_values(words, nvalues, bits, nranks, thr, div, sc):
+    """(count - nranks) * thr / div * sc, float32, for the first ``nvalues`` values of
+    :func:`pack_counts` words: one compiled pass from ``COMPILE_MIN_NUMEL`` values (21 M values
+    on one CPU thread: 88 ms, against 430 ms eagerly), else :func:`unpack_counts` and the same
+    operations."""
+    if nvalues >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled:
+        return kernels._run("count_values", words.view(bits, -1), nranks, thr, div, sc)[:nvalues]
+    return unpack_counts(words, nvalues, bits, nranks) * thr / div * sc
 
 
 def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out=None):
@@ -205,8 +242,7 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
             mags = torch.repeat_interleave(body[:k].view(torch.float32), piece_words[c], output_size=wc)
             parts.append(kernels.decode_sum([body[k:]], [mags], n, div, sc))
         else:
-            counts = unpack_counts(body, n, chunks.bits, N)
-            parts.append(counts * thr / div * sc)
+            parts.append(count_values(body, n, chunks.bits, N, thr, div, sc))
     result = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=dev)
     spans = [(s, n) for s, n in zip(layout.starts, layout.numels)]
     if not any(bad):
