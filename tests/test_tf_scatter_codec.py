@@ -219,3 +219,17 @@ def test_count_planes_match_reference():
         assert words.numpy().tolist() == rs.pack_counts(c, n).tolist()
         back = scatter_codec.unpack_counts(words, c.size, sw.count_bits(n), n)
         np.testing.assert_array_equal(back.numpy(), c.astype(np.float32))
+
+
+@pytest.mark.parametrize("n,size", [(2, 70001), (8, 65536 + 32 * 7 + 5), (100, 100003)])
+def test_compiled_count_planes_match_reference(n, size):
+    """From COMPILE_MIN_NUMEL values the planes are packed and unpacked in one XLA call each:
+    the same words and counts as the reference."""
+    from horovod_twobit.tensorflow import kernels
+    assert kernels._compiled(size)
+    c = np.random.default_rng(n).integers(-n, n + 1, size)
+    bits = sw.count_bits(n)
+    words = scatter_codec._packed(tf.constant(c + n, tf.int32), bits)
+    assert words.numpy().tolist() == rs.pack_counts(c, n).tolist()
+    back = scatter_codec._counts(words, size, bits, n)
+    np.testing.assert_array_equal(back.numpy(), c.astype(np.float32))

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from .. import scatter_wire as sw
 from .. import wire
-from . import codec
+from . import codec, kernels
 from .bucket import grouped_levels, spread
 
 
@@ -128,7 +128,7 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule, residu
         for i in range(N):
             c = tf.cast(codec.unpack(words[i], 16 * wc), tf.int32)
             sign += tf.where(tf.equal(c, wire.CODE_POS), 1, tf.where(tf.equal(c, wire.CODE_NEG), -1, 0))
-        payload = tf.concat([reduced, pack_counts(sign + N, chunks.bits)], 0)
+        payload = tf.concat([reduced, _packed(sign + N, chunks.bits)], 0)
         return tf.where(checked, payload, tf.zeros_like(payload)), bad, None
     n = chunks.values(owner)
     mags = piece_values(chunks, owner, tf.bitcast(rows[:, body:body + nm], tf.float32), True)
@@ -185,6 +185,23 @@ def unpack_counts(words, nvalues, bits, nranks):
     return tf.cast(tf.reshape(u, [-1])[:nvalues] - nranks, tf.float32)
 
 
+_pack_xla = tf.function(pack_counts, jit_compile=True, autograph=False)
+_unpack_xla = tf.function(unpack_counts, jit_compile=True, autograph=False)
+
+
+def _packed(u, bits):
+    """:func:`pack_counts`, one XLA call from ``COMPILE_MIN_NUMEL`` values (an owner's chunk of
+    2.6 M values, one CPU thread: 34 -> 9 ms)."""
+    return (_pack_xla if kernels._compiled(u.shape[0]) else pack_counts)(u, bits)
+
+
+def _counts(words, nvalues, bits, nranks):
+    """:func:`unpack_counts`, one XLA call from ``COMPILE_MIN_NUMEL`` values (21 M values at 8
+    ranks, one CPU thread, with the scaling: 455 -> 88 ms)."""
+    return (_unpack_xla if kernels._compiled(nvalues) else unpack_counts)(words, nvalues, bits,
+                                                                           nranks)
+
+
 def finish_reduced(chunks, gathered, names, threshold, bad, divisor, scale):
     """The flat float32 result (``layout.values`` long) from the allgather's output ``gathered``
     (every owner's phase-2 payload in owner order): each chunk decoded, divided by ``divisor`` (a
@@ -210,7 +227,7 @@ def finish_reduced(chunks, gathered, names, threshold, bad, divisor, scale):
             mags = piece_values(chunks, c, tf.bitcast(body[:k], tf.float32), True)
             part = codec.values(codec.unpack(body[k:], n), tf.repeat(mags, 16)[:n])
         else:
-            part = unpack_counts(body, n, chunks.bits, N) * tf.constant(threshold, tf.float32)
+            part = _counts(body, n, chunks.bits, N) * tf.constant(threshold, tf.float32)
         parts.append(part)
     out = tf.concat(parts, 0) if parts else tf.zeros([0], tf.float32)
     out = out / divisor
