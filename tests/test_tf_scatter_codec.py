@@ -233,3 +233,33 @@ def test_compiled_count_planes_match_reference(n, size):
     assert words.numpy().tolist() == rs.pack_counts(c, n).tolist()
     back = scatter_codec._counts(words, size, bits, n)
     np.testing.assert_array_equal(back.numpy(), c.astype(np.float32))
+
+
+def test_compiled_sender_signs_match_numpy():
+    """An owner's per-value (senders of +t) - (senders of -t), from COMPILE_MIN_NUMEL values in
+    one XLA call: MXNet's layout decoded in NumPy (four values per byte, the first in the two
+    highest bits; code 11 is +t, 10 is -t, 00 and 01 are 0)."""
+    from horovod_twobit.tensorflow import kernels
+    nranks, nwords = 5, 4099
+    assert kernels._compiled(16 * nwords)
+    words = np.random.default_rng(3).integers(-2 ** 31, 2 ** 31, (nranks, nwords)).astype(np.int32)
+    b = words.view(np.uint8).reshape(nranks, -1)
+    codes = np.stack([(b >> s) & 3 for s in (6, 4, 2, 0)], -1).reshape(nranks, -1)
+    want = (codes == wire.CODE_POS).sum(0) - (codes == wire.CODE_NEG).sum(0)
+    got = scatter_codec._signs_xla(tf.constant(words), 16 * nwords)
+    np.testing.assert_array_equal(got.numpy(), want)
+    np.testing.assert_array_equal(scatter_codec.sender_signs(tf.constant(words), 16 * nwords).numpy(),
+                                  want)
+
+
+def test_chunks_past_the_compile_size_match_reference():
+    """Chunks of COMPILE_MIN_NUMEL values and more take the XLA calls (the owners' signs, the count
+    planes both ways): results and residuals bit for bit the reference's."""
+    from horovod_twobit.tensorflow import kernels
+    n, nranks = 2 * kernels.COMPILE_MIN_NUMEL + 37, 2
+    comps = [TwoBitCompressor(0.05, exchange="scatter") for _ in range(nranks)]
+    w = ref.Workers(nranks, 0.05, exchange="scatter")
+    for step in range(2):
+        grads = _grads([n], nranks, step)
+        outs, _, _ = exchange(comps, ["t0"], grads)
+        _compare(comps, w, ["t0"], outs, [w.allreduce("t0", [g[0] for g in grads])], step)

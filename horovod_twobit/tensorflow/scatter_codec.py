@@ -124,10 +124,7 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule, residu
     words = rows[:, body + nm:]
     reduced = tf.constant(chunks.header(owner, threshold, reduced=True), tf.int32)
     if not layout.auto:
-        sign = tf.zeros([16 * wc], tf.int32)
-        for i in range(N):
-            c = tf.cast(codec.unpack(words[i], 16 * wc), tf.int32)
-            sign += tf.where(tf.equal(c, wire.CODE_POS), 1, tf.where(tf.equal(c, wire.CODE_NEG), -1, 0))
+        sign = (_signs_xla if kernels._compiled(16 * wc) else sender_signs)(words, 16 * wc)
         payload = tf.concat([reduced, _packed(sign + N, chunks.bits)], 0)
         return tf.where(checked, payload, tf.zeros_like(payload)), bad, None
     n = chunks.values(owner)
@@ -185,13 +182,25 @@ def unpack_counts(words, nvalues, bits, nranks):
     return tf.cast(tf.reshape(u, [-1])[:nvalues] - nranks, tf.float32)
 
 
+def sender_signs(words, nvalues):
+    """Per value of the (senders, words) 2-bit ``words``: how many senders sent +t minus how many
+    sent -t (int32)."""
+    sign = tf.zeros([nvalues], tf.int32)
+    for i in range(words.shape[0]):
+        c = tf.cast(codec.unpack(words[i], nvalues), tf.int32)
+        sign += tf.where(tf.equal(c, wire.CODE_POS), 1, tf.where(tf.equal(c, wire.CODE_NEG), -1, 0))
+    return sign
+
+
+# One XLA call each from COMPILE_MIN_NUMEL values; one CPU thread, 8 ranks: the signs of an
+# owner's 2.6 M-value chunk 98 -> 21 ms, packing its counts 34 -> 9 ms.
+_signs_xla = tf.function(sender_signs, jit_compile=True, autograph=False)
 _pack_xla = tf.function(pack_counts, jit_compile=True, autograph=False)
 _unpack_xla = tf.function(unpack_counts, jit_compile=True, autograph=False)
 
 
 def _packed(u, bits):
-    """:func:`pack_counts`, one XLA call from ``COMPILE_MIN_NUMEL`` values (an owner's chunk of
-    2.6 M values, one CPU thread: 34 -> 9 ms)."""
+    """:func:`pack_counts`, one XLA call from ``COMPILE_MIN_NUMEL`` values."""
     return (_pack_xla if kernels._compiled(u.shape[0]) else pack_counts)(u, bits)
 
 
