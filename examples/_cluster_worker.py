@@ -11,6 +11,7 @@ interface sent and received. DDP methods run one per job.
 
 import json
 import os
+import resource
 import time
 
 # the TwoBitCompressor methods: (fixed threshold or "auto", exchange)
@@ -141,9 +142,34 @@ def horovod_setup(args, methods):
             compression=compression)
         runs.append((method, net, net, batch, opt))
 
+    if not args.spin_wait:
+        sleeping_waits()
+
     def barrier():
         hvd.allreduce(torch.zeros(1), name="barrier", op=hvd.Sum)
     return runs, hvd.rank(), hvd.size(), barrier
+
+
+def sleeping_waits():
+    """Makes every method's ``DistributedOptimizer`` wait by polling with short sleeps.
+
+    Horovod's own wait spins (it yields the CPU and polls again at once). Here the hosts share
+    the machine's cores, so a rank that spins while its step waits on the network takes CPU from
+    the ranks that have work (their Gloo threads moving bytes, their codec): the benchmark would
+    then measure the host's spinning neighbours. With a core per host that cost would not exist.
+    TwoBit's own waits sleep already; this gives no compression and fp16 the same wait, so that
+    the methods differ only in what they send and compute (``--spin-wait`` keeps Horovod's)."""
+    import horovod.torch as hvd
+    import horovod.torch.optimizer as hvd_optimizer
+    inner = hvd_optimizer.synchronize
+
+    def synchronize(handle):
+        delay = 2e-5
+        while isinstance(handle, int) and not hvd.poll(handle):  # Horovod's own handles
+            time.sleep(delay)
+            delay = min(2 * delay, 5e-4)
+        return inner(handle)
+    hvd_optimizer.synchronize = synchronize
 
 
 def ddp_setup(args, method):
@@ -184,7 +210,8 @@ def worker(args):
         runs, rank, size, barrier = horovod_setup(args, methods)
     else:
         runs, rank, size, barrier = ddp_setup(args, methods[0])
-    rec = {m: {"times": [], "cpu": [], "tx": 0, "rx": 0, "train_losses": []} for m in methods}
+    rec = {m: {"times": [], "cpu": [], "sys": [], "faults": [], "tx": 0, "rx": 0,
+               "train_losses": []} for m in methods}
 
     def step(run, i):
         _, _, model, batch, opt = run
@@ -209,10 +236,14 @@ def worker(args):
             # waits behind the previous method's bytes nor counts them.
             barrier()
             rx0, tx0 = iface_bytes(args.iface)
+            u0 = resource.getrusage(resource.RUSAGE_SELF)
             t0, c0 = time.perf_counter(), time.process_time()
             r["train_losses"].append(step(run, i))
             r["times"].append(time.perf_counter() - t0)
             r["cpu"].append(time.process_time() - c0)
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
+            r["sys"].append(u1.ru_stime - u0.ru_stime)  # the kernel's share of "cpu"
+            r["faults"].append(u1.ru_minflt - u0.ru_minflt)  # pages first touched
             rx1, tx1 = iface_bytes(args.iface)
             r["tx"] += tx1 - tx0
             r["rx"] += rx1 - rx0

@@ -63,6 +63,8 @@ def run_job(c, args, model, methods, rate, log):
               args.cnn_channels, "--threads", args.threads]
     if args.threshold:
         common += ["--threshold", args.threshold]
+    if args.spin_wait:
+        common += ["--spin-wait"]
     # HOROVOD_GLOO_TIMEOUT_SECONDS: broadcasting the 21 M-value MLP from rank 0 to 7 hosts at
     # 100 Mbit/s takes longer than Gloo's default 30 s
     env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": str(args.threads), "TF_CPP_MIN_LOG_LEVEL": "3",
@@ -90,6 +92,9 @@ def run_job(c, args, model, methods, rate, log):
         rows.append({"model": model, "method": m, "rate": rate, "failed": False,
                      "params": ranks[0]["params"], "median_step_s": statistics.median(step_max),
                      "cpu_step_s": statistics.median(statistics.median(r["cpu"]) for r in per_rank),
+                     "sys_step_s": statistics.median(statistics.median(r["sys"]) for r in per_rank),
+                     "faults_per_step": statistics.median(statistics.median(r["faults"])
+                                                          for r in per_rank),
                      "bytes_per_step": statistics.mean(r["tx"] for r in per_rank) / args.steps,
                      "eval_loss": per_rank[0]["eval_loss"],
                      "eval_loss_start": per_rank[0]["eval_loss_start"],
@@ -279,6 +284,9 @@ def main(argv=None):
     ap.add_argument("--iface", default="hvd0")
     ap.add_argument("--subnet", default="10.77.0.0/24")
     ap.add_argument("--out", default=os.path.join(REPO, "build", "bench_cluster"))
+    ap.add_argument("--spin-wait", action="store_true",
+                    help="keep Horovod's spinning wait for every method (default: every method "
+                         "waits with short sleeps, as if each host had its own cores)")
     ap.add_argument("--job-per-method", action="store_true",
                     help="one horovodrun job per Horovod method instead of one per model with the "
                          "methods taking turns step by step")

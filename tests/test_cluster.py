@@ -5,6 +5,7 @@ N-worker simulation, and the bytes the hosts put on the wire are what the 2-bit 
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -255,6 +256,22 @@ def test_ctrl_c_tears_down():
     assert _leftovers(iface) == []
     assert not any(cluster._pid_alive(pid) for pid in job)  # the job's processes are gone too
     assert _known_hosts() == kh
+
+
+def test_links_take_whole_tso_segments(vc):
+    """Every link's token bucket holds a 64 KiB TSO segment with its headers, so tbf passes it
+    whole instead of cutting it into MTU-size packets on the CPU (and 2 ms at the rate)."""
+    from horovod_twobit.cluster.hosts import tbf_burst
+    assert tbf_burst("100mbit", 1500) >= 65536 + 45 * 100
+    assert tbf_burst("10gbit", 1500) == 10e9 / 8 * 0.002
+    for h in vc.hosts:
+        for argv in (["tc", "qdisc", "show", "dev", h.root_veth],
+                     ["tc", "-n", h.ns, "qdisc", "show", "dev", IFACE]):
+            out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+            m = re.search(r"tbf .*burst (\d+(?:\.\d+)?)([KM]?)b", out)
+            assert m, out
+            burst = float(m.group(1)) * {"": 1, "K": 1024, "M": 1 << 20}[m.group(2)]
+            assert burst >= 0.99 * 1e9 / 8 * 0.002, out  # 2 ms at the fixture's 1 Gbit/s
 
 
 def test_refuses_clearly_without_root_or_ip_netns(monkeypatch, capsys):

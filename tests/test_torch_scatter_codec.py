@@ -16,8 +16,10 @@ from test_torch_buckets import _grads, encode_all
 SIZES = [1, 15, 16, 17, 40, 480, 1000, 9216, 70003]
 
 
-def exchange(layout, rs_, owners, grads, threshold, rule="lsq", divisor=None, scale=1.0):
-    """One step on every rank; returns each rank's flat result and the phase payloads."""
+def exchange(layout, rs_, owners, grads, threshold, rule="lsq", divisor=None, scale=1.0,
+             in_place=False):
+    """One step on every rank; returns each rank's flat result (written over its flat gradient
+    when ``in_place``) and the phase payloads."""
     N = len(rs_)
     chunks = sw.Chunks(layout, N)
     names = ["t%d" % i for i in range(layout.members)]
@@ -35,7 +37,8 @@ def exchange(layout, rs_, owners, grads, threshold, rule="lsq", divisor=None, sc
     gathered = torch.cat(reduced)
     outs = [scatter_codec.finish_reduced(chunks, gathered, names, rs_[rank], gs[rank],
                                          *levels[rank], bads[rank], divisor or N, scale,
-                                         out=torch.empty(layout.values, device=gs[rank].device))
+                                         out=None if in_place else
+                                         torch.empty(layout.values, device=gs[rank].device))
             for rank in range(N)]
     return outs, sends, reduced
 
@@ -56,17 +59,21 @@ def test_bucket_matches_reference(threshold, block, blocks, nranks):
         grads = _grads(SIZES, nranks, step)
         outs, _, _ = exchange(layout, rs_, owners, grads, threshold)
         want = w.bucket(names, grads)
-        for i, (n, s) in enumerate(zip(SIZES, layout.starts)):
-            sent += np.count_nonzero(want[i])
-            for rank in range(nranks):
-                np.testing.assert_array_equal(outs[rank][s:s + n].numpy(), want[i],
-                                              err_msg="rank %d tensor %d step %d" % (rank, i, step))
-                np.testing.assert_array_equal(rs_[rank][s:s + n].numpy(), w.residuals[rank][names[i]])
-        if auto:
-            for c in range(nranks):
-                np.testing.assert_array_equal(owners[c].numpy(),
-                                              w.owner_residuals[c][sw.owner_key(names)])
+        check_step(w, names, layout, want, outs, rs_, owners if auto else None, step)
+        sent += sum(np.count_nonzero(x) for x in want)
     assert sent > 0
+
+
+def check_step(w, names, layout, want, outs, rs_, owners, step):
+    """Every rank's result and residuals, and every owner's residual (``owners``: "auto"), are
+    the reference's bit for bit."""
+    for i, (n, s) in enumerate(zip(layout.numels, layout.starts)):
+        for rank in range(len(outs)):
+            np.testing.assert_array_equal(outs[rank][s:s + n].numpy(), want[i],
+                                          err_msg="rank %d tensor %d step %d" % (rank, i, step))
+            np.testing.assert_array_equal(rs_[rank][s:s + n].numpy(), w.residuals[rank][names[i]])
+    for c, owner in enumerate(owners or []):
+        np.testing.assert_array_equal(owner.numpy(), w.owner_residuals[c][sw.owner_key(names)])
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 4])
@@ -111,29 +118,34 @@ def test_payload_bytes():
         assert reduced[c][sw.HEADER_WORDS:].tolist() == rs.pack_counts(counts[a:a + n], nranks).tolist()
 
 
-@pytest.mark.parametrize("threshold", [0.5, "auto"])
-def test_nonfinite_member_is_nan_everywhere_and_keeps_every_residual(threshold):
-    sizes, nranks = [40, 17, 300], 3
+@pytest.mark.parametrize("threshold", [0.5, 0.05, "auto"])
+@pytest.mark.parametrize("big,in_place", [(False, False), (True, False), (True, True)])
+def test_nonfinite_member_is_nan_everywhere_and_keeps_every_residual(threshold, big, in_place):
+    """Step 1 has an Inf in one rank's member: NaN for it on every rank, no residual of it
+    changed. ``big``: owners' chunks of at least COMPILE_MIN_NUMEL values, whose commit and decode
+    run as one compiled pass when no member held NaN or Inf (into the output, or over the
+    gradient itself when ``in_place``)."""
+    from horovod_twobit.torch import kernels
+    nranks = 3
+    sizes = [40, 17, 300] if not big else [40, kernels.COMPILE_MIN_NUMEL * nranks + 7,
+                                            kernels.COMPILE_MIN_NUMEL + 3]
+    names = ["t0", "t1", "t2"]
     layout = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold))
     chunks = sw.Chunks(layout, nranks)
+    assert big == (min(chunks.values(c) for c in range(nranks)) >= kernels.COMPILE_MIN_NUMEL)
     rs_ = [torch.zeros(layout.values) for _ in range(nranks)]
     owners = [torch.zeros(chunks.values(c)) for c in range(nranks)]
     w = ref.Workers(nranks, threshold, exchange="scatter")
     for step in range(3):
         grads = _grads(sizes, nranks, step)
         if step == 1:
-            grads[1][2][5] = np.nan
-        outs, _, _ = exchange(layout, rs_, owners, grads, threshold)
-        want = w.bucket(["t0", "t1", "t2"], grads)
-        for i, (n, s) in enumerate(zip(sizes, layout.starts)):
-            for rank in range(nranks):
-                np.testing.assert_array_equal(outs[rank][s:s + n].numpy(), want[i])
-                np.testing.assert_array_equal(rs_[rank][s:s + n].numpy(), w.residuals[rank]["t%d" % i])
-        if threshold == "auto":
-            for c in range(nranks):
-                np.testing.assert_array_equal(owners[c].numpy(),
-                                              w.owner_residuals[c][sw.owner_key(["t0", "t1", "t2"])])
-        assert np.isnan(want[2]).all() == (step == 1)
+            grads[1][2][5] = np.inf
+        outs, _, _ = exchange(layout, rs_, owners, grads, threshold, divisor=nranks, scale=0.5,
+                              in_place=in_place)
+        want = w.bucket(names, grads, postscale=0.5)
+        check_step(w, names, layout, want, outs, rs_, owners if threshold == "auto" else None,
+                   step)
+        assert np.isnan(want[2]).all() == (step == 1) and not np.isnan(want[1]).any()
 
 
 def test_mismatch_raises_the_same_error_for_every_owner():
@@ -181,3 +193,4 @@ def test_compiled_count_planes_match_reference(n, size):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     np.testing.assert_array_equal(scatter_codec.unpack_counts(words, size, bits, n).numpy(),
                                   c.astype(np.float32))
+

@@ -159,7 +159,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=None, op=Non
 def synchronize(handle):
     if isinstance(handle, Handle):
         return handle()
-    progress.wait(lambda: _orig("poll")(handle))  # scatter steps in flight still get phase 2
+    # scatter steps in flight still get phase 2; then Horovod's own wait, unchanged
+    progress.wait(lambda: _orig("poll")(handle), until_done=False)
     return _orig("synchronize")(handle)
 
 

@@ -174,8 +174,19 @@ def _count_values_body(words, nranks, thr, div, sc):
     return (u.reshape(-1).to(torch.float32) - nranks) * thr / div * sc
 
 
+def _finish_counts_body(words, nranks, thr, div, sc, r, g, t, v, out):
+    """One pass over an owner's chunk after phase 2: r <- (r + g) - q (as ``kernels.commit``),
+    then the chunk's count values (as :func:`_count_values_body`) written into ``out``, or over
+    ``g`` when ``out`` is None (every value of g is read before it is written)."""
+    x = r + g.to(torch.float32)
+    r.copy_(torch.where(x >= t, x - v, torch.where(x <= -t, x + v, x)))
+    dest = g if out is None else out
+    dest.copy_(_count_values_body(words, nranks, thr, div, sc)[:dest.numel()].to(dest.dtype))
+
+
 kernels._BODIES["pack_counts"] = _pack_counts_body
 kernels._BODIES["count_values"] = _count_values_body
+kernels._BODIES["finish_counts"] = _finish_counts_body
 
 
 def pack_counts(u, bits):
@@ -215,6 +226,11 @@ def count_values(words, nvalues, bits, nranks, thr, div, sc):
     return unpack_counts(words, nvalues, bits, nranks) * thr / div * sc
 
 
+def _words(level, w0, nw):
+    """A threshold or magnitude for words w0 .. w0 + nw: a per-word one cut, a number as it is."""
+    return level[w0:w0 + nw] if isinstance(level, torch.Tensor) and level.dim() else level
+
+
 def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out=None):
     """After phase 2's allgather: commits this rank's error feedback (r <- r + g - q with the
     (t, v) ``codec.encode_payload`` returned, members that held NaN or Inf left alone) and writes
@@ -228,33 +244,45 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
     heads = [sw.parse_header(gathered[o:o + sw.HEADER_WORDS].tolist(), reduced=True) for o in offs]
     if any(h is None or h.chunk != c for c, h in enumerate(heads)):
         raise wire.PayloadMismatchError("tensor %r: owners sent malformed reduced chunks" % names[0])
+    spans = [(s, n) for s, n in zip(layout.starts, layout.numels)]
+    fused = not any(bad)  # then each chunk's commit and decode share one pass
+    if not fused:  # the commit first, of the members that held no NaN or Inf (it reads g)
+        for i, (s, n) in enumerate(spans):
+            if not bad[i]:
+                w0, nw = s // 16, wire.num_words(n)
+                kernels.commit(r[s:s + n], g[s:s + n], _words(t, w0, nw), _words(v, w0, nw))
+    # Each owner's chunk is decoded straight into its place: no full-size temporary (a fresh
+    # buffer of the bucket's size costs a page fault per 4 kB on every step).
+    dest = g if out is None else out
     piece_words = _piece_words(chunks, dev)
-    parts = []
     thr = torch.tensor(heads[0].threshold or 1.0, dtype=torch.float32, device=dev)
     div = torch.tensor(float(divisor), dtype=torch.float32, device=dev)
     sc = torch.tensor(float(scale), dtype=torch.float32, device=dev)
+    pos = 0
     for c, o in enumerate(offs):
         body, n, wc = gathered[o + sw.HEADER_WORDS:o + lengths[c]], chunks.values(c), chunks.words(c)
         if not n:
             continue
+        span = slice(pos, pos + n)
+        tc, vc = _words(t, pos // 16, wc), _words(v, pos // 16, wc)
+        into = None if out is None else out[span]
         if layout.auto:
             k = len(chunks.pieces[c])
             mags = torch.repeat_interleave(body[:k].view(torch.float32), piece_words[c], output_size=wc)
-            parts.append(kernels.decode_sum([body[k:]], [mags], n, div, sc))
-        else:
-            parts.append(count_values(body, n, chunks.bits, N, thr, div, sc))
-    result = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=dev)
-    spans = [(s, n) for s, n in zip(layout.starts, layout.numels)]
-    if not any(bad):
-        kernels.commit(r, g, t, v)
-    else:
-        for i, (s, n) in enumerate(spans):
-            if not bad[i]:
-                w0, nw = s // 16, wire.num_words(n)
-                cut = lambda x: x[w0:w0 + nw] if isinstance(x, torch.Tensor) and x.dim() else x  # noqa
-                kernels.commit(r[s:s + n], g[s:s + n], cut(t), cut(v))
+            if fused:
+                kernels.finish([body[k:]], [mags], r[span], g[span], tc, div, sc, out=into,
+                               magnitude=vc)
             else:
-                result[s:s + n] = float("nan")
-    dest = g if out is None else out
-    dest.copy_(result.to(dest.dtype))
+                dest[span].copy_(kernels.decode_sum([body[k:]], [mags], n, div, sc))
+        elif fused and n >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled:
+            kernels._run("finish_counts", body.view(chunks.bits, -1), N, thr, div, sc, r[span],
+                         g[span], kernels._t(tc, dev), kernels._t(vc, dev), into)
+        else:
+            if fused:
+                kernels.commit(r[span], g[span], tc, vc)
+            dest[span].copy_(count_values(body, n, chunks.bits, N, thr, div, sc))
+        pos += n
+    for i, (s, n) in enumerate(spans):
+        if bad[i]:
+            dest[s:s + n] = float("nan")
     return dest
