@@ -21,7 +21,9 @@ Everything::
 
 Writes <out>/bench_cluster.md (the table), bench_cluster.png (the plot) and bench_cluster.json.
 Figures are honest for this machine only: N hosts share its CPU cores, so compute (and the 2-bit
-codec) of all hosts runs on the same cores, which a real cluster would not do.
+codec) of all hosts runs on the same cores, which a real cluster would not do. So that a waiting
+host does not take CPU from the others, every method waits with short sleeps (``--spin-wait``:
+Horovod's own spinning wait for no compression and fp16).
 """
 
 import argparse
