@@ -240,8 +240,7 @@ def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, 
         if bad[i]:
             dest[span].fill_(float("nan"))
             continue
-        cut = lambda x: x[w0:w0 + nw] if isinstance(x, torch.Tensor) and x.dim() else x  # noqa
-        kernels.finish([w[w0:w0 + nw] for w in words], [cut(x) for x in ts], r[span], g[span],
-                       cut(t), divisor, scale, out=None if out is None else out[span],
-                       magnitude=cut(v))
+        kernels.finish([w[w0:w0 + nw] for w in words], [kernels.span(x, w0, nw) for x in ts],
+                       r[span], g[span], kernels.span(t, w0, nw), divisor, scale,
+                       out=None if out is None else out[span], magnitude=kernels.span(v, w0, nw))
     return dest

@@ -125,6 +125,12 @@ def _at(level, i):
     return level[i] if level.dim() else level
 
 
+def span(level, w0, nw):
+    """A threshold or magnitude (a number, a 0-d or a per-word tensor) for words w0 .. w0 + nw:
+    a per-word one cut to them, any other as it is."""
+    return level[w0:w0 + nw] if isinstance(level, torch.Tensor) and level.dim() else level
+
+
 def per_word(levels, block, numel):
     """Per-block values repeated for each packed word of their block: 1-D, ceil(numel / 16) long.
     The kernels take these wherever they take a threshold or magnitude."""

@@ -226,11 +226,6 @@ def count_values(words, nvalues, bits, nranks, thr, div, sc):
     return unpack_counts(words, nvalues, bits, nranks) * thr / div * sc
 
 
-def _words(level, w0, nw):
-    """A threshold or magnitude for words w0 .. w0 + nw: a per-word one cut, a number as it is."""
-    return level[w0:w0 + nw] if isinstance(level, torch.Tensor) and level.dim() else level
-
-
 def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out=None):
     """After phase 2's allgather: commits this rank's error feedback (r <- r + g - q with the
     (t, v) ``codec.encode_payload`` returned, members that held NaN or Inf left alone) and writes
@@ -250,7 +245,7 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
         for i, (s, n) in enumerate(spans):
             if not bad[i]:
                 w0, nw = s // 16, wire.num_words(n)
-                kernels.commit(r[s:s + n], g[s:s + n], _words(t, w0, nw), _words(v, w0, nw))
+                kernels.commit(r[s:s + n], g[s:s + n], kernels.span(t, w0, nw), kernels.span(v, w0, nw))
     # Each owner's chunk is decoded straight into its place: no full-size temporary (a fresh
     # buffer of the bucket's size costs a page fault per 4 kB on every step).
     dest = g if out is None else out
@@ -264,7 +259,7 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
         if not n:
             continue
         span = slice(pos, pos + n)
-        tc, vc = _words(t, pos // 16, wc), _words(v, pos // 16, wc)
+        tc, vc = kernels.span(t, pos // 16, wc), kernels.span(v, pos // 16, wc)
         into = None if out is None else out[span]
         if layout.auto:
             k = len(chunks.pieces[c])
@@ -274,12 +269,10 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
                                magnitude=vc)
             else:
                 dest[span].copy_(kernels.decode_sum([body[k:]], [mags], n, div, sc))
-        elif fused and n >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled:
-            kernels._run("finish_counts", body.view(chunks.bits, -1), N, thr, div, sc, r[span],
-                         g[span], kernels._t(tc, dev), kernels._t(vc, dev), into)
+        elif fused:  # compiled from COMPILE_MIN_NUMEL values, else the same body eagerly
+            kernels._call("finish_counts", n, body.view(chunks.bits, -1), N, thr, div, sc, r[span],
+                          g[span], kernels._t(tc, dev), kernels._t(vc, dev), into)
         else:
-            if fused:
-                kernels.commit(r[span], g[span], tc, vc)
             dest[span].copy_(count_values(body, n, chunks.bits, N, thr, div, sc))
         pos += n
     for i, (s, n) in enumerate(spans):
