@@ -133,7 +133,7 @@ def horovod_setup(args, methods):
             kind, exchange = TWOBIT[method]
             threshold = args.threshold or THRESHOLDS[args.model]
             compression = TwoBitCompressor(threshold if kind == "fixed" else "auto",
-                                           exchange=exchange)
+                                           exchange=exchange, bucket_bytes=args.bucket_bytes)
         else:
             compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
         opt = hvd.DistributedOptimizer(

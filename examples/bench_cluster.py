@@ -65,6 +65,8 @@ def run_job(c, args, model, methods, rate, log):
               args.cnn_channels, "--threads", args.threads]
     if args.threshold:
         common += ["--threshold", args.threshold]
+    if args.bucket_bytes is not None:
+        common += ["--bucket-bytes", args.bucket_bytes]
     if args.spin_wait:
         common += ["--spin-wait"]
     # HOROVOD_GLOO_TIMEOUT_SECONDS: broadcasting the 21 M-value MLP from rank 0 to 7 hosts at
@@ -278,6 +280,8 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--threshold", type=float, default=None,
                     help="TwoBit threshold (default: %s)" % THRESHOLDS)
+    ap.add_argument("--bucket-bytes", type=int, default=None,
+                    help="TwoBitCompressor's bucket_bytes (default: its own default)")
     ap.add_argument("--mlp-hidden", type=int, default=4096)
     ap.add_argument("--mlp-in", type=int, default=1024)
     ap.add_argument("--cnn-channels", type=int, default=16)

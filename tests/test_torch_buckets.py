@@ -135,8 +135,9 @@ def test_one_member_sends_the_single_tensor_payload():
 
 
 @pytest.mark.parametrize("threshold", [0.5, "auto"])
-def test_nonfinite_member_is_nan_everywhere_and_keeps_its_residual(threshold):
-    sizes = [40, 17, 300]
+@pytest.mark.parametrize("middle", [17, kernels.COMPILE_MIN_NUMEL + 7])  # eager, compiled codec
+def test_nonfinite_member_is_nan_everywhere_and_keeps_its_residual(threshold, middle):
+    sizes = [40, middle, 300]
     layout = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold))
     rs = [torch.zeros(layout.values) for _ in range(2)]
     w = ref.Workers(2, threshold)

@@ -142,11 +142,12 @@ def encode_payload(layout, r, g, threshold, rule, payload):
     payload[:head.numel()].copy_(head)
     payload[1] |= nonfinite.to(torch.int32) * wire.FLAG_NONFINITE
     if flags is not None:  # one byte per member: did any of its words hold NaN or Inf
-        counts = torch.nn.functional.pad(flags.to(torch.int32).cumsum(0), (1, 0))
-        bad = (counts[on.word_ends] - counts[on.word_starts]) > 0
         member_bytes = payload[wire.BUCKET_HEADER_WORDS:layout.head_words].view(torch.uint8)
         member_bytes.zero_()
-        member_bytes[:layout.members].copy_(bad.to(torch.uint8))
+        if g.device.type != "cpu" or bool(nonfinite):  # on a CPU, reading the flag is free
+            counts = torch.nn.functional.pad(flags.to(torch.int32).cumsum(0), (1, 0))
+            bad = (counts[on.word_ends] - counts[on.word_starts]) > 0
+            member_bytes[:layout.members].copy_(bad.to(torch.uint8))
     if mags is not None:
         if layout.mag_words:
             payload[layout.head_words:layout.body].copy_(mags.view(torch.int32))

@@ -59,6 +59,7 @@ class Bucket:
         c = compressor
         self.layout = Layout(numels, c.threshold == "auto", c.block, c.blocks)
         self._r = self._g = None
+        self._views = None  # (members' shapes, views of _g shaped as them)
         self._bound = None  # the registry generation the residual views belong to
         self._lock = threading.Lock()
         self._round = None  # the step whose members are arriving
@@ -74,12 +75,20 @@ class Bucket:
         if self._r is None or self._r.device != dev:
             self._r = torch.zeros(self.layout.values, dtype=torch.float32, device=dev)
             self._g = torch.zeros(self.layout.values, dtype=torch.float32, device=dev)
-            self._bound = None
+            self._bound = self._views = None
         if self._bound != reg.generation:
             for name, t, s, n in zip(self.names, tensors, self.layout.starts, self.layout.numels):
                 reg.bind(name, self._r[s:s + n].view(t.shape))
             self._bound = reg.generation
         return self._r
+
+    def views(self, tensors):
+        """The members' slices of the flat gradient buffer, shaped as ``tensors`` (made once)."""
+        shapes = tuple(t.shape for t in tensors)
+        if self._views is None or self._views[0] != shapes:
+            self._views = (shapes, [self._g[s:s + n].view(shape) for shape, s, n in
+                                    zip(shapes, self.layout.starts, self.layout.numels)])
+        return self._views[1]
 
     def arrive(self, tensor, name, call):
         """Takes one member's gradient; launches the bucket when the last one arrives. Returns
@@ -171,9 +180,7 @@ class Flight:
             self.g = codec.flat(tensors[0])
         else:
             self.g = bucket._g
-            views = [self.g[s:s + n].view(t.shape) for t, s, n in
-                     zip(tensors, layout.starts, layout.numels)]
-            torch._foreach_copy_(views, [t.detach() for t in tensors])
+            torch._foreach_copy_(bucket.views(tensors), [t.detach() for t in tensors])
         payload = torch.empty(layout.payload_words, dtype=torch.int32, device=self.g.device)
         self.t, self.v = codec.encode_payload(layout, self.r, self.g, c.threshold, c.auto_rule,
                                               payload)
@@ -221,9 +228,8 @@ class Flight:
                 t.copy_(res)
                 return [t]
             return [res]
-        flat = self._decode(gathered, divisor)
-        views = [flat[s:s + n].view(t.shape) for t, s, n in
-                 zip(self.tensors, layout.starts, layout.numels)]
+        self._decode(gathered, divisor)  # over the flat gradient buffer
+        views = self.bucket.views(self.tensors)
         if self.in_place:
             torch._foreach_copy_(self.tensors, views)
             return self.tensors

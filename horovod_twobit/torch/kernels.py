@@ -41,16 +41,33 @@ _disabled = os.environ.get("HOROVOD_TWOBIT_COMPILE", "1") == "0"
 
 # ----------------------------------------------------------------- kernel bodies (m % 16 == 0)
 
-def _codes_body(r, g, t):
-    """uint8 codes of ternary(r + g) (3: +t, 2: -t, 0) for (words, 16) views, and for each word
-    whether its r + g held NaN or Inf."""
-    x = r + g.to(torch.float32)
+def _ternary_codes(x, t):
     # Float constants: Inductor blends float vectors and converts once (integer constants blend
-    # int64 vectors, bool-to-uint8 arithmetic does not vectorize); x - x is NaN exactly where x is
-    # NaN or Inf, a cheaper test than isfinite. 1.5x faster in cache, same codes.
+    # int64 vectors, bool-to-uint8 arithmetic does not vectorize). 1.5x faster in cache, same codes.
     c = torch.where(x >= t, float(wire.CODE_POS),
                     torch.where(x <= -t, float(wire.CODE_NEG), float(wire.CODE_ZERO)))
-    return c.to(torch.uint8), ((x - x) != 0).any(-1)
+    return c.to(torch.uint8)
+
+
+def _codes_body(r, g, t):
+    """uint8 codes of ternary(r + g) (3: +t, 2: -t, 0) for (words, 16) views, and whether any
+    r + g held NaN or Inf (0-d)."""
+    x = r + g.to(torch.float32)
+    # x - x is NaN exactly where x is NaN or Inf, a cheaper test than isfinite
+    return _ternary_codes(x, t), ((x - x) != 0).any()
+
+
+def _word_codes_body(r, g, t):
+    """As :func:`_codes_body`, with the non-finite flag of each word instead (a per-row
+    reduction: on a CPU it costs about as much as the codes themselves)."""
+    x = r + g.to(torch.float32)
+    return _ternary_codes(x, t), ((x - x) != 0).any(-1)
+
+
+def _word_flags(r, g):
+    """Whether each word (row of (words, 16) views) of r + g held NaN or Inf."""
+    x = r + g.to(torch.float32)
+    return ((x - x) != 0).any(-1)
 
 
 def _bytes_body(w):
@@ -67,7 +84,7 @@ def _commit_body(r, g, t, v):
     r.copy_(torch.where(x >= t, x - v, torch.where(x <= -t, x + v, x)))
 
 
-_BODIES = {"codes": _codes_body, "commit": _commit_body}  # levels.py adds its own
+_BODIES = {"codes": _codes_body, "word_codes": _word_codes_body, "commit": _commit_body}  # levels.py adds its own
 
 
 def _fn(name, key=None):
@@ -156,28 +173,40 @@ def pack(r, g, threshold, out=None, word_flags=None):
 
     Whole words run in chunks of PACK_CHUNK values, each a codes pass and a packing pass: the
     chunk's codes (one byte per value) stay in cache between the two and their buffer is reused,
-    never a full-size temporary; the last, partial word is packed eagerly."""
+    never a full-size temporary; the last, partial word is packed eagerly.
+
+    On a CPU the codes pass computes one non-finite flag per chunk, and the flags of its words
+    only when it is set (a second pass, in a step that sends NaN anyway): the per-word reduction
+    would cost as much as the codes. On other devices, where reading the flag on the host would
+    wait for the device, the codes pass writes the word flags itself."""
     n = g.numel()
     words = out if out is not None else torch.empty(wire.num_words(n), dtype=torch.int32, device=g.device)
     byts = words.view(torch.uint8)
     t = _t(threshold, g.device)
     m = n - n % wire.VALUES_PER_WORD
+    per_word = word_flags is not None and g.device.type != "cpu"
     flag = None
     for a in range(0, m, PACK_CHUNK):
         b = min(m, a + PACK_CHUNK)
         # (words, 16) views against a 0-d threshold or a (words, 1) column of per-word ones
-        codes, bad = _call("codes", m, r[a:b].view(-1, 16), g[a:b].view(-1, 16),
+        rv, gv = r[a:b].view(-1, 16), g[a:b].view(-1, 16)
+        codes, bad = _call("word_codes" if per_word else "codes", m, rv, gv,
                            t[a // 16:b // 16].unsqueeze(1) if t.dim() else t)
         _call("bytes_into", m, codes.reshape(-1).view(torch.int32), byts[a // 4:b // 4])
-        if word_flags is not None:
+        if per_word:
             word_flags[a // 16:b // 16].copy_(bad)
-        bad = bad.any()
+            bad = bad.any()
+        elif word_flags is not None:
+            if bad:
+                word_flags[a // 16:b // 16].copy_(_word_flags(rv, gv))
+            else:
+                word_flags[a // 16:b // 16].zero_()
         flag = bad if flag is None else flag | bad
     if m < n:
         pad = wire.VALUES_PER_WORD - (n - m)
         rt = torch.nn.functional.pad(r[m:], (0, pad)).view(1, 16)
         gt = torch.nn.functional.pad(g[m:].to(torch.float32), (0, pad)).view(1, 16)
-        codes, bad = _codes_body(rt, gt, _at(t, m // 16))
+        codes, bad = _word_codes_body(rt, gt, _at(t, m // 16))
         byts[m // 4:].copy_(_bytes_body(codes.reshape(-1).view(torch.int32)))
         if word_flags is not None:
             word_flags[m // 16:].copy_(bad)
