@@ -144,7 +144,7 @@ def encode_payload(layout, r, g, threshold, rule, payload):
     if flags is not None:  # one byte per member: did any of its words hold NaN or Inf
         member_bytes = payload[wire.BUCKET_HEADER_WORDS:layout.head_words].view(torch.uint8)
         member_bytes.zero_()
-        if g.device.type != "cpu" or bool(nonfinite):  # on a CPU, reading the flag is free
+        if not kernels.flags_on_host(g.device) or bool(nonfinite):
             counts = torch.nn.functional.pad(flags.to(torch.int32).cumsum(0), (1, 0))
             bad = (counts[on.word_ends] - counts[on.word_starts]) > 0
             member_bytes[:layout.members].copy_(bad.to(torch.uint8))

@@ -77,8 +77,8 @@ class Bucket:
             self._g = torch.zeros(self.layout.values, dtype=torch.float32, device=dev)
             self._bound = self._views = None
         if self._bound != reg.generation:
-            for name, t, s, n in zip(self.names, tensors, self.layout.starts, self.layout.numels):
-                reg.bind(name, self._r[s:s + n].view(t.shape))
+            for name, view in zip(self.names, self._slices(self._r, [t.shape for t in tensors])):
+                reg.bind(name, view)
             self._bound = reg.generation
         return self._r
 
@@ -86,9 +86,12 @@ class Bucket:
         """The members' slices of the flat gradient buffer, shaped as ``tensors`` (made once)."""
         shapes = tuple(t.shape for t in tensors)
         if self._views is None or self._views[0] != shapes:
-            self._views = (shapes, [self._g[s:s + n].view(shape) for shape, s, n in
-                                    zip(shapes, self.layout.starts, self.layout.numels)])
+            self._views = (shapes, self._slices(self._g, shapes))
         return self._views[1]
+
+    def _slices(self, flat, shapes):
+        return [flat[s:s + n].view(shape) for shape, s, n in
+                zip(shapes, self.layout.starts, self.layout.numels)]
 
     def arrive(self, tensor, name, call):
         """Takes one member's gradient; launches the bucket when the last one arrives. Returns

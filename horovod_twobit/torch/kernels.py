@@ -149,6 +149,12 @@ def _at(level, i):
     return level[i] if level.dim() else level
 
 
+def flags_on_host(device):
+    """Whether reading a flag on the host is free for tensors on ``device`` (a CPU), so that work
+    needed only when a flag is set can be skipped; elsewhere it would wait for the device."""
+    return device.type == "cpu"
+
+
 def span(level, w0, nw):
     """A threshold or magnitude (a number, a 0-d or a per-word tensor) for words w0 .. w0 + nw:
     a per-word one cut to them, any other as it is."""
@@ -191,7 +197,7 @@ def pack(r, g, threshold, out=None, word_flags=None):
     byts = words.view(torch.uint8)
     t = _t(threshold, g.device)
     m = n - n % wire.VALUES_PER_WORD
-    per_word = word_flags is not None and g.device.type != "cpu"
+    per_word = word_flags is not None and not flags_on_host(g.device)
     flag = None
     for a in range(0, m, PACK_CHUNK):
         b = min(m, a + PACK_CHUNK)

@@ -245,7 +245,8 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
         for i, (s, n) in enumerate(spans):
             if not bad[i]:
                 w0, nw = s // 16, wire.num_words(n)
-                kernels.commit(r[s:s + n], g[s:s + n], kernels.span(t, w0, nw), kernels.span(v, w0, nw))
+                kernels.commit(r[s:s + n], g[s:s + n], kernels.span(t, w0, nw),
+                               kernels.span(v, w0, nw))
     # Each owner's chunk is decoded straight into its place: no full-size temporary (a fresh
     # buffer of the bucket's size costs a page fault per 4 kB on every step).
     dest = g if out is None else out
