@@ -72,3 +72,24 @@ def test_bucket_benchmark_prints_every_row():
     assert [r.split("|")[2].strip() for r in rows] == ["53", "99"], out.stdout
     for r in rows:
         assert r.count("x)") == 3, r
+
+
+def test_count_entropy_measures_the_counts_a_scatter_owner_sends(capsys):
+    """python -m examples.count_entropy: the summed counts' entropy, beside the format's bits."""
+    import math
+    import sys
+    sys.path.insert(0, os.path.dirname(EXAMPLES))
+    import torch
+    from examples import count_entropy as ce
+    from horovod_twobit import scatter_wire as sw
+    assert ce.entropy(torch.tensor([0, 0, 1, -1])) == 1.5
+    assert ce.entropy(torch.zeros(10, dtype=torch.int64)) == 0
+    small = ["--steps", "2", "--skip", "0", "--mlp-in", "32", "--mlp-hidden", "64"]
+    rows = ce.main(["--ranks", "2,3"] + small)
+    assert [(n, b) for n, b, _ in rows] == [(2, sw.count_bits(2)), (3, sw.count_bits(3))]
+    for n, _, h in rows:  # some counts differ from 0, and no code can beat log2(2N + 1) values
+        assert 0 < h <= math.log2(2 * n + 1), rows
+    table = capsys.readouterr().out
+    assert "| 3 | 3 | %.2f | %.2f |" % (rows[1][2], 2 / 3 * 5) in table, table
+    # a threshold no gradient reaches: every count is 0, nothing to send
+    assert ce.main(["--ranks", "2", "--threshold", "1e6"] + small)[0][2] == 0
