@@ -21,6 +21,7 @@ format's growth with N is information that any such lossless code would have to 
 import argparse
 import os
 import sys
+from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -31,20 +32,28 @@ from horovod_twobit import scatter_wire as sw  # noqa: E402
 from horovod_twobit.torch import codec  # noqa: E402
 
 
+def histogram(counts):
+    """{value: share of the values} of an integer tensor."""
+    values, freq = torch.unique(counts, return_counts=True)
+    return {int(v): float(f) / counts.numel() for v, f in zip(values, freq)}
+
+
+def bits(hist):
+    """Zeroth-order entropy (bits per value) of a :func:`histogram`."""
+    p = torch.tensor(list(hist.values()), dtype=torch.float64)
+    return float(-(p * p.log2()).sum())
+
+
 def entropy(counts):
     """Zeroth-order entropy (bits per value) of an integer tensor."""
-    _, freq = torch.unique(counts, return_counts=True)
-    p = freq.double() / counts.numel()
-    return float(-(p * p.log2()).sum())
+    return bits(histogram(counts))
 
 
 def simulate(nranks, steps, batch, threshold, sizes, lr=0.1):
     """Per step: (histogram {count: share}, entropy) of the summed counts of N simulated ranks."""
     from examples._cluster_worker import build
 
-    class Args:
-        mlp_in, mlp_hidden, cnn_channels = sizes[0], sizes[1], 16
-    net, data = build("mlp", Args)
+    net, data = build("mlp", SimpleNamespace(mlp_in=sizes[0], mlp_hidden=sizes[1]))
     params = list(net.parameters())
     residuals = [[torch.zeros(p.numel()) for p in params] for _ in range(nranks)]
     out = []
@@ -57,10 +66,8 @@ def simulate(nranks, steps, batch, threshold, sizes, lr=0.1):
             for k, p in enumerate(params):
                 words = codec.encode(p.grad, residuals[r][k], threshold)
                 counts[k] += torch.round(codec.decode(words, p.numel(), threshold) / threshold).long()
-        flat = torch.cat(counts)
-        values, freq = torch.unique(flat, return_counts=True)
-        hist = {int(v): float(f) / flat.numel() for v, f in zip(values, freq)}
-        out.append((hist, entropy(flat)))
+        hist = histogram(torch.cat(counts))
+        out.append((hist, bits(hist)))
         with torch.no_grad():  # the averaged result, as every rank applies it
             for k, p in enumerate(params):
                 p -= lr * (counts[k].float() * threshold / nranks).view(p.shape)
