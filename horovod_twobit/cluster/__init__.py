@@ -8,6 +8,7 @@ The pieces:
   shaping of the links (with the layout and why it looks that way);
 * ``sshd.py``: keys, one ``sshd`` per host, the ``ssh`` wrapper, root's known_hosts;
 * ``jobs.py``: ``horovodrun`` across the hosts, commands in every host, ending what jobs leave;
+* ``cpu.py``: a hard CPU quota per host (its own cgroup, CFS bandwidth limit; cgroup v1 and v2);
 * ``accounting.py``: link rates and byte counters;
 * ``state.py``: the state file ``up`` leaves for ``attach``;
 * ``cleanup.py``: teardown, also on errors, signals and interpreter exit, and of leftovers;
@@ -26,6 +27,9 @@ Command line::
     python -m horovod_twobit.cluster run --hosts 4 --rate 100mbit -- python train.py
     python -m horovod_twobit.cluster up --hosts 2 --rate 1gbit     # stays up; prints how to use it
     python -m horovod_twobit.cluster run --existing -- python train.py
+    # hosts that stand for 1-core machines on 1 Gbit/s links, everything 4x slower:
+    python -m horovod_twobit.cluster run --hosts 4 --rate 1gbit --cpus-per-host 0.25 \\
+        --dilation 4 -- python train.py
     python -m horovod_twobit.cluster down                            # removes it (or leftovers)
 """
 

@@ -1,5 +1,5 @@
-"""Tearing a cluster down. Everything is removed (processes in the namespaces, sshd, namespaces,
-veths, bridge, ``/etc/netns/NS``, temporary directory with the keys, known_hosts entries, state
+"""Tearing a cluster down. Everything is removed (processes in the namespaces, sshd, the hosts' CPU
+cgroups, namespaces, veths, bridge, ``/etc/netns/NS``, temporary directory with the keys, known_hosts entries, state
 file) on exit, on errors, on SIGINT/SIGTERM/SIGHUP and at interpreter exit: ``VirtualCluster``
 turns those signals into exceptions while it is up and blocks them during the teardown itself;
 ``python -m horovod_twobit.cluster down`` also removes what a crashed cluster left behind."""
@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 
+from . import cpu
 from .processes import _kill_ns_processes, _run
 from .sshd import _clean_known_hosts
 from .state import STATE_DIR, state_path
@@ -34,6 +35,7 @@ def teardown(iface, namespaces, workdir=None, created_run_sshd=False, known_host
                    .stdout.split())
     live = [ns for ns in namespaces if ns in existing]
     attempt("processes in %s" % live, lambda: _kill_ns_processes(live))
+    errors += cpu.remove_groups(iface)  # the hosts' CPU cgroups, if any (also leftovers)
     for ns in namespaces:
         if ns in existing:
             attempt("netns %s" % ns, lambda ns=ns: _run(["ip", "netns", "del", ns]))

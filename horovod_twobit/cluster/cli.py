@@ -2,6 +2,7 @@
 
     python -m horovod_twobit.cluster run --hosts 4 --rate 100mbit -- python train.py
     python -m horovod_twobit.cluster up --hosts 2 --rate 1gbit     # stays up; prints how to use it
+    python -m horovod_twobit.cluster up --hosts 4 --rate 1gbit --cpus-per-host 0.25 --dilation 4
     python -m horovod_twobit.cluster run --existing -- python train.py
     python -m horovod_twobit.cluster status                          # shows the cluster that is up
     python -m horovod_twobit.cluster down                            # removes it (or leftovers)
@@ -12,6 +13,7 @@ import os
 import shlex
 import sys
 
+from . import cpu
 from .cleanup import _leftovers, teardown
 from .errors import ClusterError, ClusterUnavailable
 from .virtual_cluster import VirtualCluster
@@ -33,6 +35,15 @@ def _main(argv=None):
         p.add_argument("--delay", default=None, help="one-way latency added per host, e.g. 5ms")
         p.add_argument("--subnet", default="10.77.0.0/24")
         p.add_argument("--mtu", type=int, default=1500)
+        p.add_argument("--cpus-per-host", type=float, default=None, metavar="Q",
+                       help="hard CPU quota per host in cores (CFS bandwidth limit in the host's "
+                            "own cgroup); default: none, the hosts share the machine")
+        p.add_argument("--dilation", type=float, default=1.0, metavar="D",
+                       help="time dilation: links run at rate/D with delay*D, so that with "
+                            "--cpus-per-host 1/D a host stands for a 1-core real host, D times "
+                            "slower; --rate and --delay stay the real-world link's (default 1)")
+        p.add_argument("--cpu-period-us", type=int, default=None,
+                       help="CFS period of the CPU quota (default 100000)")
 
     p_up = sub.add_parser("up", help="create a cluster and leave it running")
     common(p_up)
@@ -56,7 +67,8 @@ def _main(argv=None):
         rate = None if str(args.rate).lower() == "none" else args.rate
     try:
         if args.cmd == "up":
-            c = VirtualCluster(args.hosts, rate, args.delay, args.iface, args.subnet, args.mtu)
+            c = VirtualCluster(args.hosts, rate, args.delay, args.iface, args.subnet, args.mtu,
+                               args.cpus_per_host, args.dilation, args.cpu_period_us)
             with c:
                 print(c.describe())
                 print("\nrun a job:  %s -m horovod_twobit.cluster run --existing --iface %s -- "
@@ -76,12 +88,19 @@ def _main(argv=None):
                 res = c.horovodrun(args.np_per_host, cmd, mpi=args.mpi, timeout=args.timeout,
                                    stream=sys.stdout)
             else:
-                with VirtualCluster(args.hosts, rate, args.delay, args.iface, args.subnet, args.mtu) as c:
+                with VirtualCluster(args.hosts, rate, args.delay, args.iface, args.subnet, args.mtu,
+                                    args.cpus_per_host, args.dilation, args.cpu_period_us) as c:
                     print(c.describe(), flush=True)
                     res = c.horovodrun(args.np_per_host, cmd, mpi=args.mpi, timeout=args.timeout,
                                        stream=sys.stdout)
                     print("bytes per host (tx/rx): " + ", ".join(
                         "%s %d/%d" % (k, v["tx"], v["rx"]) for k, v in c.counters().items()))
+                    if c.cpu is not None:
+                        print("CPU throttled per host: " + ", ".join(
+                            "%s %.2f s" % (k, v["throttled_s"]) for k, v in c.cpu_stats().items()))
+                    if c.dilation != 1:
+                        print("job %.1f s, real-host equivalent %.1f s (dilation %g)"
+                              % (res.seconds, res.seconds / c.dilation, c.dilation))
             if res.timed_out:
                 print("timed out after %ss" % args.timeout, file=sys.stderr)
                 return 124
@@ -95,8 +114,9 @@ def _main(argv=None):
                 print("removed virtual cluster %s" % args.iface)
             except ClusterError:
                 names = _leftovers(args.iface)
+                groups = cpu.leftovers(args.iface)
                 errors = teardown(args.iface, names)
-                print("removed leftovers of %s: %s" % (args.iface, names or "none"))
+                print("removed leftovers of %s: %s" % (args.iface, names + groups or "none"))
                 if errors:
                     print("\n".join(errors), file=sys.stderr)
                     return 1

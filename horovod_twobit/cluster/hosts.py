@@ -75,8 +75,9 @@ def check_free(iface, hosts, subnet):
                                % (subnet, line.strip()))
 
 
-def create_network(iface, bridge_addr, hosts, mtu, rate, delay):
-    """The bridge, then every host's namespace, veth pair, address, shaping and /etc/netns files."""
+def create_network(iface, bridge_addr, hosts, mtu, rate, delay, dilation=1.0):
+    """The bridge, then every host's namespace, veth pair, address, shaping and /etc/netns files.
+    ``rate`` and ``delay`` are the real-world link's; the links get them dilated (``dilate``)."""
     ip = ["ip"]
     _run(ip + ["link", "add", iface, "type", "bridge"])
     _run(ip + ["link", "set", iface, "mtu", str(mtu)])
@@ -92,7 +93,7 @@ def create_network(iface, bridge_addr, hosts, mtu, rate, delay):
         _run(ip + ["-n", h.ns, "addr", "add", "%s/24" % h.addr, "dev", iface])
         _run(ip + ["-n", h.ns, "link", "set", iface, "up"])
         _no_ipv6(h, iface)
-        _shape(h, iface, rate, delay, mtu)
+        _shape(h, iface, rate, delay, mtu, dilation)
         _write_netns_files(h, hosts, iface, bridge_addr)
 
 
@@ -124,29 +125,51 @@ def tbf_burst(rate, mtu):
     return max(4 * (mtu + 100), int(parse_rate(rate) / 8 * 0.002), GSO_BYTES)
 
 
-def _tbf(rate, mtu, dev, ns=None, parent=None):
+_DELAY_US = {"us": 1, "usec": 1, "ms": 1000, "msec": 1000, "s": 1000000, "sec": 1000000}
+
+
+def dilate(rate, delay, dilation):
+    """(rate, delay) of the links for a real-world ``rate`` and ``delay`` under time dilation
+    ``dilation`` (DieCast): the rate divided by it, the delay multiplied by it, in tc units
+    (``"25000000bit"``, ``"4000us"``); None stays None, dilation 1 changes nothing."""
+    if dilation == 1:
+        return rate, delay
+    if rate is not None:
+        rate = "%dbit" % round(parse_rate(rate) / dilation)
+    if delay is not None:
+        m = _DELAY.match(str(delay))
+        if not m:
+            raise ValueError("delay must look like 5ms or 200us (tc units), got %r" % (delay,))
+        delay = "%dus" % round(float(str(delay)[:m.start(1)]) * _DELAY_US[m.group(1)] * dilation)
+    return rate, delay
+
+
+def _tbf(rate, mtu, dev, ns=None, parent=None, dilation=1.0):
+    # The bucket and the queue hold what they would on the real-world link: the bucket's bytes
+    # come from the real rate, the queue's time limit stretches with the clock.
     burst = tbf_burst(rate, mtu)
     argv = ["tc"] + (["-n", ns] if ns else []) + ["qdisc", "add", "dev", dev]
     argv += ["parent", parent, "handle", "10:"] if parent else ["root", "handle", "1:"]
-    _run(argv + ["tbf", "rate", str(rate), "burst", str(burst), "latency", "100ms"])
+    _run(argv + ["tbf", "rate", dilate(rate, None, dilation)[0], "burst", str(burst), "latency",
+                 "%dms" % round(100 * dilation)])
 
 
-def _shape(h, iface, rate, delay, mtu):
+def _shape(h, iface, rate, delay, mtu, dilation=1.0):
     if rate is not None:
-        _tbf(rate, mtu, h.root_veth)  # bridge -> host
+        _tbf(rate, mtu, h.root_veth, dilation=dilation)  # bridge -> host
     if delay is not None:
         try:
             _run(["tc", "-n", h.ns, "qdisc", "add", "dev", iface, "root", "handle", "1:",
-                  "netem", "delay", str(delay), "limit", "100000"])
+                  "netem", "delay", dilate(None, delay, dilation)[1], "limit", "100000"])
         except ClusterError as e:
             if "unknown" in str(e).lower():
                 raise ClusterError("delay needs the netem qdisc, which this kernel lacks "
                                    "(sch_netem): run without delay") from None
             raise
         if rate is not None:
-            _tbf(rate, mtu, iface, ns=h.ns, parent="1:1")
+            _tbf(rate, mtu, iface, ns=h.ns, parent="1:1", dilation=dilation)
     elif rate is not None:
-        _tbf(rate, mtu, iface, ns=h.ns)  # host -> bridge
+        _tbf(rate, mtu, iface, ns=h.ns, dilation=dilation)  # host -> bridge
 
 
 def _write_netns_files(h, hosts, iface, bridge_addr):

@@ -76,8 +76,10 @@ def make_privsep_dir():
     return False
 
 
-def start_sshd(workdir, h):
-    """Starts host ``h``'s sshd in its namespace and returns its Popen (pid in ``h.sshd_pid``)."""
+def start_sshd(workdir, h, wrap=None):
+    """Starts host ``h``'s sshd in its namespace and returns its Popen (pid in ``h.sshd_pid``).
+    ``wrap(h, argv)``: the command line that runs ``argv`` (``ip netns exec ...``) in the host's
+    CPU cgroup, with the same pid."""
     d = os.path.join(workdir, "h%d" % h.index)
     cfg = os.path.join(d, "sshd_config")
     with open(cfg, "w") as f:
@@ -100,11 +102,12 @@ def start_sshd(workdir, h):
                 % (h.addr, os.path.join(d, "ssh_host_ed25519_key"), os.path.join(d, "sshd.pid"),
                    os.path.join(workdir, "authorized_keys")))
     log = open(os.path.join(d, "sshd.log"), "ab")
-    proc = subprocess.Popen(["ip", "netns", "exec", h.ns, SSHD, "-D", "-e", "-f", cfg],
+    argv = ["ip", "netns", "exec", h.ns, SSHD, "-D", "-e", "-f", cfg]
+    proc = subprocess.Popen(wrap(h, argv) if wrap else argv,
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             start_new_session=True)
     log.close()
-    h.sshd_pid = proc.pid  # ip netns exec execs sshd: same pid
+    h.sshd_pid = proc.pid  # the wrapper and ip netns exec exec sshd: same pid
     return proc
 
 

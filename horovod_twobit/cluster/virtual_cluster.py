@@ -10,10 +10,10 @@ import sys
 import tempfile
 import threading
 
-from . import cleanup, jobs, sshd
+from . import cleanup, cpu, jobs, sshd
 from .accounting import counters, parse_rate
 from .errors import ClusterError, ClusterUnavailable
-from .hosts import _DELAY, check_free, create_network, make_hosts
+from .hosts import _DELAY, check_free, create_network, dilate, make_hosts
 from .state import read_state, write_state
 
 
@@ -29,10 +29,19 @@ class VirtualCluster:
             ``--network-interface iface``. Namespaces are named ``<iface>-h<i>``.
         subnet: a /24 such as ``10.77.0.0/24``: the bridge takes .1, host i takes .(11 + i).
         mtu: MTU of the bridge and veths.
+        cpus_per_host: a hard CPU quota per host in cores (``0.25``), or None for none: each
+            host's processes (its sshd and everything started through it, and ``ip netns exec``
+            jobs) run in the host's own CPU cgroup with a CFS bandwidth limit (cpu.py).
+        dilation: time dilation D (DieCast): the links run at ``rate / D`` with ``delay x D``, so
+            that with ``cpus_per_host = c / D`` a host stands for a real one with ``c`` cores and
+            the links ``rate`` and ``delay`` describe, everything D times slower. ``rate`` and
+            ``delay`` keep meaning the real-world link.
+        cpu_period_us: the CFS period of the quota (default 100 ms, the kernel's; lengthened where
+            the quota would be under 1 ms).
     """
 
     def __init__(self, n_hosts=2, rate="1gbit", delay=None, iface="hvd0", subnet="10.77.0.0/24",
-                 mtu=1500):
+                 mtu=1500, cpus_per_host=None, dilation=1.0, cpu_period_us=None):
         n_hosts = int(n_hosts)
         if not 1 <= n_hosts <= 200:
             raise ValueError("n_hosts must be 1..200, got %d" % n_hosts)
@@ -46,7 +55,15 @@ class VirtualCluster:
         net = ipaddress.ip_network(subnet, strict=True)
         if net.version != 4 or net.prefixlen != 24 or not net.is_private:
             raise ValueError("subnet must be a private IPv4 /24, got %r" % (subnet,))
+        dilation = float(dilation)
+        if not dilation > 0:
+            raise ValueError("dilation must be positive, got %r" % (dilation,))
+        if cpus_per_host is not None:
+            cpu.period_quota(cpus_per_host, cpu_period_us)  # checks both
         self.n_hosts, self.rate, self.delay, self.iface, self.mtu = n_hosts, rate, delay, iface, int(mtu)
+        self.cpus_per_host = None if cpus_per_host is None else float(cpus_per_host)
+        self.cpu_period_us, self.dilation = cpu_period_us, dilation
+        self.cpu = None  # cpu.CpuGroups while up with a quota
         self.subnet = net
         self.bridge_addr, self.hosts = make_hosts(n_hosts, iface, net)
         self.workdir = None
@@ -121,11 +138,16 @@ class VirtualCluster:
         os.chmod(self.workdir, 0o700)
         self._known_hosts_before = sshd.read_known_hosts()
         sshd.make_keys(self.workdir, self.hosts)
-        create_network(self.iface, self.bridge_addr, self.hosts, self.mtu, self.rate, self.delay)
+        create_network(self.iface, self.bridge_addr, self.hosts, self.mtu, self.rate, self.delay,
+                       self.dilation)
+        if self.cpus_per_host is not None:
+            self.cpu = cpu.CpuGroups(self.iface, [h.ns for h in self.hosts], self.cpus_per_host,
+                                     self.cpu_period_us)
+            self.cpu.create()
         if sshd.make_privsep_dir():
             self._created_run_sshd = True
         for h in self.hosts:
-            self._sshd[h.ns] = sshd.start_sshd(self.workdir, h)
+            self._sshd[h.ns] = sshd.start_sshd(self.workdir, h, self._wrap)
         for h in self.hosts:
             sshd.wait_ssh(self.workdir, h, self._sshd.get(h.ns))
         write_state(self.iface, {
@@ -133,13 +155,21 @@ class VirtualCluster:
             "subnet": str(self.subnet), "mtu": self.mtu, "workdir": self.workdir,
             "created_run_sshd": self._created_run_sshd,
             "known_hosts_before": self._known_hosts_before,
-            "sshd_pids": {h.ns: h.sshd_pid for h in self.hosts}, "pid": os.getpid()})
+            "sshd_pids": {h.ns: h.sshd_pid for h in self.hosts}, "pid": os.getpid(),
+            "cpus_per_host": self.cpus_per_host, "cpu_period_us": self.cpu_period_us,
+            "dilation": self.dilation,
+            "cgroup": [self.cpu.version, self.cpu.mount] if self.cpu else None})
 
     @classmethod
     def attach(cls, iface="hvd0"):
         """The cluster that ``up`` (another process) left running with this iface."""
         st = read_state(iface)
-        c = cls(st["n_hosts"], st["rate"], st["delay"], st["iface"], st["subnet"], st["mtu"])
+        c = cls(st["n_hosts"], st["rate"], st["delay"], st["iface"], st["subnet"], st["mtu"],
+                st.get("cpus_per_host"), st.get("dilation", 1.0), st.get("cpu_period_us"))
+        if st.get("cgroup"):
+            version, mount = st["cgroup"]
+            c.cpu = cpu.CpuGroups(c.iface, [h.ns for h in c.hosts], c.cpus_per_host,
+                                  c.cpu_period_us, version, mount)
         c.workdir = st["workdir"]
         c._created_run_sshd = st["created_run_sshd"]
         c._known_hosts_before = st["known_hosts_before"]
@@ -169,6 +199,7 @@ class VirtualCluster:
                                           self.addresses)
             finally:
                 self._up = False
+                self.cpu = None
                 for proc in self._sshd.values():  # reap them
                     try:
                         proc.wait(timeout=5)
@@ -180,8 +211,34 @@ class VirtualCluster:
                   file=sys.stderr)
 
     # ------------------------------------------------------------------ using it
+    def _wrap(self, h, argv):
+        """``argv`` (an ``ip netns exec`` command for host ``h``) joining the host's CPU cgroup
+        first, where the cluster has a CPU quota."""
+        return self.cpu.wrap(h.index, argv) if self.cpu is not None else list(argv)
+
+    def set_cpus_per_host(self, cpus):
+        """Changes every host's CPU quota (cores) of a cluster made with ``cpus_per_host``."""
+        if self.cpu is None:
+            raise ClusterError("the cluster was made without cpus_per_host: it has no CPU cgroups")
+        self.cpu.set_cpus(cpus)
+        self.cpus_per_host = self.cpu.cpus
+
+    def cpu_stats(self):
+        """{host ns: cpu.CpuGroups.stats} of every host (empty without a CPU quota): its quota,
+        and how often and how long it was throttled so far."""
+        return {h.ns: self.cpu.stats(h.index) for h in self.hosts} if self.cpu else {}
+
+    @property
+    def link_rate(self):
+        """The rate and delay the links run at: the real-world ones dilated."""
+        return dilate(self.rate, self.delay, self.dilation)
+
     def env(self, extra=None):
-        """Environment for jobs: the ssh wrapper first on PATH, Open MPI allowed to run as root."""
+        """Environment for jobs: the ssh wrapper first on PATH, Open MPI allowed to run as root;
+        ``HVDTB_CLUSTER_DILATION`` and ``HVDTB_CLUSTER_CPUS_PER_HOST`` say how the hosts are
+        emulated (a job divides its times by the dilation for a real host's)."""
+        extra = dict({"HVDTB_CLUSTER_DILATION": "%g" % self.dilation,
+                      "HVDTB_CLUSTER_CPUS_PER_HOST": "%g" % (self.cpus_per_host or 0)}, **(extra or {}))
         return jobs.job_env(self.bin_dir, extra)
 
     def horovodrun_argv(self, np_per_host, command, mpi=False, hosts=None, extra_args=()):
@@ -206,7 +263,8 @@ class VirtualCluster:
 
     def exec_argv(self, host, argv):
         """``argv`` wrapped to run inside host ``host`` (an index) through ``ip netns exec``."""
-        return ["ip", "netns", "exec", self.hosts[host].ns] + [str(a) for a in argv]
+        h = self.hosts[host]
+        return self._wrap(h, ["ip", "netns", "exec", h.ns] + [str(a) for a in argv])
 
     def popen(self, host, argv, **kwargs):
         """subprocess.Popen of ``argv`` inside host ``host``; the caller waits for it."""
@@ -235,6 +293,26 @@ class VirtualCluster:
         lines = ["virtual cluster %s: %d hosts, rate %s%s, bridge %s %s, workdir %s" % (
             self.iface, self.n_hosts, self.rate or "unshaped",
             ", delay %s" % self.delay if self.delay else "", self.iface, self.bridge_addr, self.workdir)]
+        if self.dilation != 1:
+            rate, delay = self.link_rate
+            lines.append("  time dilation %g: links run at %s%s (real-world time = measured / %g)"
+                         % (self.dilation, rate or "unshaped",
+                            ", delay %s" % delay if delay else "", self.dilation))
+        if self.cpu is not None:
+            lines.append("  CPU quota %g cores per host (cgroup v%d, %d us per %d us, %s)"
+                         % (self.cpus_per_host, self.cpu.version, self.cpu.quota_us,
+                            self.cpu.period_us, self.cpu.parent))
+        stats = {}
+        try:
+            stats = self.cpu_stats()
+        except OSError:
+            pass
         for h in self.hosts:
-            lines.append("  %-10s %s  (sshd pid %s)" % (h.ns, h.addr, h.sshd_pid))
+            s = stats.get(h.ns)
+            cpu_text = "" if s is None else (
+                ", quota %s cores, throttled %.2f s in %d of %d periods%s" % (
+                    "%g" % s["cpus"] if s["cpus"] is not None else "none", s["throttled_s"],
+                    s["nr_throttled"], s["nr_periods"],
+                    ", used %.2f s" % s["usage_s"] if s["usage_s"] is not None else ""))
+            lines.append("  %-10s %s  (sshd pid %s%s)" % (h.ns, h.addr, h.sshd_pid, cpu_text))
         return "\n".join(lines)
