@@ -237,10 +237,12 @@ def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, 
         return dest
     for i, ((w0, nw), start, n) in enumerate(zip(layout.member_offsets(), layout.starts,
                                                  layout.numels)):
-        span = slice(start, start + (n if layout.single else 16 * nw))
         if bad[i]:
-            dest[span].fill_(float("nan"))
+            # Only the member's own values: the padding after it in a bucket's flat gradient
+            # buffer is never overwritten by the next step's gradients, and must stay zero.
+            dest[start:start + n].fill_(float("nan"))
             continue
+        span = slice(start, start + (n if layout.single else 16 * nw))
         kernels.finish([w[w0:w0 + nw] for w in words], [kernels.span(x, w0, nw) for x in ts],
                        r[span], g[span], kernels.span(t, w0, nw), divisor, scale,
                        out=None if out is None else out[span], magnitude=kernels.span(v, w0, nw))
