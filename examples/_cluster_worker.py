@@ -6,12 +6,16 @@ of the model (same initial weights, its own tensor names) and the methods take t
 (step i of every method, in an order that rotates with i, each step after a barrier), so a change
 in the machine's load falls on every method alike. For each method and step the worker records the wall time, the CPU time of
 its process (all its threads: the training thread and Horovod's) and the bytes its host's
-interface sent and received. DDP methods run one per job.
+interface sent and received, and splits the step into compute (forward and backward, less the
+codec's part of it), codec (TwoBit's encode and decode, timed around the codec's functions, see
+``CodecClock``) and waiting (the rest: the exchange, and the host's CPU quota where it is out).
+Rank 0 prints a ``bench-progress:`` line after every step. DDP methods run one per job.
 """
 
 import json
 import os
 import resource
+import threading
 import time
 
 # the TwoBitCompressor methods: (fixed threshold or "auto", exchange)
@@ -21,6 +25,41 @@ TWOBIT = {"twobit": ("fixed", "allgather"), "auto": ("auto", "allgather"),
 THRESHOLDS = {"mlp": 1e-3, "cnn": 1e-2, "resnet": 1e-2, "transformer": 1e-2}
 # models with many small tensors, from examples/bench_buckets.py (its names)
 MANY_TENSORS = {"resnet": "cnn", "transformer": "transformer"}
+
+
+class CodecClock:
+    """Wall seconds spent in TwoBit's codec (any thread): wraps the module functions the
+    exchanges call for encoding, the scatter owners' reduction and decoding. Measurement only;
+    the functions' results are untouched."""
+
+    FUNCTIONS = {"codec": ("encode_payload", "finish_payload"),
+                 "scatter_codec": ("chunk_payloads", "owner_reduce", "finish_reduced")}
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+        import importlib
+        for mod, names in self.FUNCTIONS.items():
+            m = importlib.import_module("horovod_twobit.torch." + mod)
+            for name in names:
+                setattr(m, name, self._timed(getattr(m, name)))
+
+    def _timed(self, fn):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                with self._lock:
+                    self.seconds += dt
+        timed.__wrapped__ = fn
+        return timed
+
+
+def progress(rank, text):
+    if rank == 0:
+        print("bench-progress: " + text, flush=True)
 
 
 def build(model, args):
@@ -206,26 +245,41 @@ def worker(args):
 
     torch.set_num_threads(args.threads)
     methods = args.method.split(",")
+    clock = CodecClock() if any(m in TWOBIT for m in methods) else None
     if args.worker == "horovod":
         runs, rank, size, barrier = horovod_setup(args, methods)
     else:
         runs, rank, size, barrier = ddp_setup(args, methods[0])
     rec = {m: {"times": [], "cpu": [], "sys": [], "faults": [], "tx": 0, "rx": 0,
-               "train_losses": []} for m in methods}
+               "train_losses": [], "compute": [], "codec": [], "wait": []} for m in methods}
 
-    def step(run, i):
+    def step(run, i, r=None):
         _, _, model, batch, opt = run
         x, y = batch(rank, i, args.batch)
+        k0 = clock.seconds if clock else 0.0
+        t0 = time.perf_counter()
         opt.zero_grad()
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
+        t1 = time.perf_counter()
+        k1 = clock.seconds if clock else 0.0
         opt.step()
+        t2 = time.perf_counter()
+        k2 = clock.seconds if clock else 0.0
+        if r is not None:
+            codec_s = k2 - k0
+            r["compute"].append(max(0.0, t1 - t0 - (k1 - k0)))
+            r["codec"].append(codec_s)
+            r["wait"].append(max(0.0, t2 - t0 - r["compute"][-1] - codec_s))
         return float(loss.detach())
 
     loss0 = eval_loss(runs[0][1], runs[0][3])
     for run in runs:
         for i in range(args.warmup):
+            t0 = time.perf_counter()
             step(run, i)
+            progress(rank, "%s warm-up step %d/%d: %.2f s" % (run[0], i + 1, args.warmup,
+                                                              time.perf_counter() - t0))
     barrier()
     for i in range(args.warmup, args.warmup + args.steps):
         k = i % len(runs)
@@ -238,7 +292,7 @@ def worker(args):
             rx0, tx0 = iface_bytes(args.iface)
             u0 = resource.getrusage(resource.RUSAGE_SELF)
             t0, c0 = time.perf_counter(), time.process_time()
-            r["train_losses"].append(step(run, i))
+            r["train_losses"].append(step(run, i, r))
             r["times"].append(time.perf_counter() - t0)
             r["cpu"].append(time.process_time() - c0)
             u1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -247,6 +301,8 @@ def worker(args):
             rx1, tx1 = iface_bytes(args.iface)
             r["tx"] += tx1 - tx0
             r["rx"] += rx1 - rx0
+        progress(rank, "step %d/%d: %s" % (i - args.warmup + 1, args.steps, ", ".join(
+            "%s %.2f s" % (m, rec[m]["times"][-1]) for m in methods)))
     barrier()
     for method, net, _, batch, _ in runs:
         rec[method].update(eval_loss_start=loss0, eval_loss=eval_loss(net, batch),

@@ -20,10 +20,17 @@ Everything::
     sudo .venv/bin/python examples/bench_cluster.py
 
 Writes <out>/bench_cluster.md (the table), bench_cluster.png (the plot) and bench_cluster.json.
-Figures are honest for this machine only: N hosts share its CPU cores, so compute (and the 2-bit
-codec) of all hosts runs on the same cores, which a real cluster would not do. So that a waiting
-host does not take CPU from the others, every method waits with short sleeps (``--spin-wait``:
-Horovod's own spinning wait for no compression and fp16).
+
+Hosts that stand for real ones (docs/emulation.md): N hosts share this machine's cores, so by
+default every host gets a hard CPU quota of ``Q = cores x headroom / N`` cores (its own CPU cgroup,
+``--cpus-per-host``) and the cluster runs with time dilation ``D = 1 / Q`` (``--dilation``: links at
+rate / D): each host then stands for a 1-core host on the real-world link, D times slower. The
+table gives the measured step and the real-host equivalent (measured / D), and per host and step
+the compute, codec and waiting parts (real-host seconds). ``--cpus-per-host 0`` turns the
+emulation off (the hosts share the cores as they come; dilation 1). So that a waiting host does
+not take CPU from the others, every method waits with short sleeps (``--spin-wait``: Horovod's own
+spinning wait for no compression and fp16). While it runs it prints a line per step (and one
+every 20 s of silence).
 """
 
 import argparse
@@ -35,6 +42,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,6 +62,60 @@ ALL_METHODS = dict(HOROVOD_METHODS, **DDP_METHODS)
 DEFAULT_METHODS = "none,fp16,twobit,ddp_fp16,ddp_quant,ddp_powersgd"
 
 
+# The share of this machine's cores the hosts' quotas add up to by default: the rest is left to
+# what runs outside the hosts' cgroups (the kernel's network work in softirq, the launcher). See
+# docs/emulation.md for how it was measured.
+HEADROOM = 0.8
+
+
+def emulation(args):
+    """(cpus per host or None, dilation) from --cpus-per-host, --dilation, --headroom."""
+    from horovod_twobit.cluster import cpu
+    if args.cpus_per_host is not None and args.cpus_per_host <= 0:
+        return None, args.dilation or 1.0
+    if args.cpus_per_host is None and not cpu.backends():
+        print("bench_cluster: no CPU cgroup with CFS bandwidth control here (cgroup v1 cpu or v2 "
+              "cpu.max): the hosts run without a CPU quota, and the figures follow this "
+              "machine's CPU", file=sys.stderr)
+        return None, args.dilation or 1.0
+    q = args.cpus_per_host or (os.cpu_count() or 1) * args.headroom / args.hosts
+    return q, args.dilation or 1.0 / q
+
+
+class Progress:
+    """The job's output stream: everything goes to the log; rank 0's ``bench-progress:`` lines
+    are also printed, and a line every ``quiet`` seconds of silence."""
+
+    def __init__(self, log, what, quiet=20.0):
+        self.log, self.what, self.quiet = log, what, quiet
+        self.t0 = self.last = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+
+    def write(self, text):
+        self.log.write(text)
+        for line in text.splitlines():
+            if "bench-progress: " in line:
+                self._say(line.split("bench-progress: ", 1)[1])
+
+    def flush(self):
+        self.log.flush()
+
+    def _say(self, text):
+        self.last = time.time()
+        print("    [%s, %.0f s] %s" % (self.what, self.last - self.t0, text), flush=True)
+
+    def _beat(self):
+        while not self._stop.wait(1.0):
+            if time.time() - self.last > self.quiet:
+                self._say("running (starting, broadcasting, or a long step)")
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+
 # ---------------------------------------------------------------------- driver
 def run_job(c, args, model, methods, rate, log):
     """Runs the methods (all Horovod, taking turns in one job, or one DDP method); returns one
@@ -71,17 +133,26 @@ def run_job(c, args, model, methods, rate, log):
         common += ["--spin-wait"]
     # HOROVOD_GLOO_TIMEOUT_SECONDS: broadcasting the 21 M-value MLP from rank 0 to 7 hosts at
     # 100 Mbit/s takes longer than Gloo's default 30 s
+    d = c.dilation  # a dilated cluster is D times slower: so are its timeouts
     env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": str(args.threads), "TF_CPP_MIN_LOG_LEVEL": "3",
-           "GLOO_SOCKET_IFNAME": c.iface, "HOROVOD_GLOO_TIMEOUT_SECONDS": "600"}
+           "GLOO_SOCKET_IFNAME": c.iface, "HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(600 * max(1, d)))}
     script = os.path.abspath(__file__)
-    if methods[0] in HOROVOD_METHODS:
-        res = c.horovodrun(1, [sys.executable, script, "--worker", "horovod"] + common,
-                           timeout=args.job_timeout, env=env, stream=log)
-    else:
-        master = c.hosts[0].addr
-        res = c.run_on_hosts(lambda h: [sys.executable, script, "--worker", "ddp", "--rank", h.index,
-                                        "--world", c.n_hosts, "--master", master, "--port", 29500]
-                             + common, timeout=args.job_timeout, env=env, stream=log)
+    timeout = args.job_timeout * max(1.0, d)
+    throttled0 = {k: v["throttled_s"] for k, v in c.cpu_stats().items()}
+    stream = Progress(log, "%s %s" % (model, ",".join(methods)))
+    try:
+        if methods[0] in HOROVOD_METHODS:
+            res = c.horovodrun(1, [sys.executable, script, "--worker", "horovod"] + common,
+                               timeout=timeout, env=env, stream=stream)
+        else:
+            master = c.hosts[0].addr
+            res = c.run_on_hosts(lambda h: [sys.executable, script, "--worker", "ddp", "--rank",
+                                            h.index, "--world", c.n_hosts, "--master", master,
+                                            "--port", 29500] + common,
+                                 timeout=timeout, env=env, stream=stream)
+    finally:
+        stream.close()
+    throttled = {k: v["throttled_s"] - throttled0.get(k, 0.0) for k, v in c.cpu_stats().items()}
     ranks = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(out, "rank*.json")))]
     shutil.rmtree(out, ignore_errors=True)
     if res.returncode != 0 or len(ranks) != c.n_hosts:
@@ -90,11 +161,23 @@ def run_job(c, args, model, methods, rate, log):
         return [{"model": model, "method": m, "rate": rate, "failed": True,
                  "error": res.output[-1000:]} for m in methods]
     rows = []
+
+    def per_host(per_rank, key):
+        """The median over hosts of a host's median per step, in real-host seconds."""
+        return statistics.median(statistics.median(r[key]) for r in per_rank) / d
+
     for m in methods:
         per_rank = [r["methods"][m] for r in ranks]
         step_max = [max(r["times"][i] for r in per_rank) for i in range(args.steps)]
         rows.append({"model": model, "method": m, "rate": rate, "failed": False,
                      "params": ranks[0]["params"], "median_step_s": statistics.median(step_max),
+                     "real_step_s": statistics.median(step_max) / d, "dilation": d,
+                     "cpus_per_host": c.cpus_per_host,
+                     # DDP communicates inside backward: its parts cannot be told apart here
+                     "compute_s": per_host(per_rank, "compute") if m in HOROVOD_METHODS else None,
+                     "codec_s": per_host(per_rank, "codec") if m in HOROVOD_METHODS else None,
+                     "wait_s": per_host(per_rank, "wait") if m in HOROVOD_METHODS else None,
+                     "throttled_job_s": throttled,
                      "cpu_step_s": statistics.median(statistics.median(r["cpu"]) for r in per_rank),
                      "sys_step_s": statistics.median(statistics.median(r["sys"]) for r in per_rank),
                      "faults_per_step": statistics.median(statistics.median(r["faults"])
@@ -119,23 +202,27 @@ def fmt_bytes(b):
 
 
 def table(results, args):
-    lines = ["| rate | model | method | median step (s) | speed-up vs Horovod none | CPU per host "
-             "per step (s) | sent per host per step | loss after %d steps (start) |"
-             % (args.warmup + args.steps), "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| rate | model | method | median step, measured (s) | real-host step (s) | speed-up "
+             "vs Horovod none | compute / codec / waiting per host (s) | CPU per host per step (s) "
+             "| sent per host per step | loss after %d steps (start) |"
+             % (args.warmup + args.steps), "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     base = {(r["rate"], r["model"]): r for r in results if r["method"] == "none" and not r["failed"]}
     for r in results:
         label = ALL_METHODS[r["method"]]
         if r["method"] in TWOBIT and r.get("threshold"):
             label += " (t=%g)" % r["threshold"]
         if r["failed"]:
-            lines.append("| %s | %s | %s | failed | | | | |" % (r["rate"], r["model"], label))
+            lines.append("| %s | %s | %s | failed | | | | | | |" % (r["rate"], r["model"], label))
             continue
         b = base.get((r["rate"], r["model"]))
-        speed = "%.2fx" % (b["median_step_s"] / r["median_step_s"]) if b else ""
+        real = r.get("real_step_s", r["median_step_s"])
+        speed = "%.2fx" % (b.get("real_step_s", b["median_step_s"]) / real) if b else ""
         cpu = "%.3f" % r["cpu_step_s"] if "cpu_step_s" in r else ""
-        lines.append("| %s | %s (%s params) | %s | %.3f | %s | %s | %s | %.4f (%.4f) |" % (
+        parts = ("%.3f / %.3f / %.3f" % (r["compute_s"], r["codec_s"], r["wait_s"])
+                 if r.get("compute_s") is not None else "")
+        lines.append("| %s | %s (%s params) | %s | %.3f | %.3f | %s | %s | %s | %s | %.4f (%.4f) |" % (
             r["rate"], r["model"], "%.1fM" % (r["params"] / 1e6) if r["params"] >= 1e6
-            else "%.1fk" % (r["params"] / 1e3), label, r["median_step_s"], speed, cpu,
+            else "%.1fk" % (r["params"] / 1e3), label, r["median_step_s"], real, speed, parts, cpu,
             fmt_bytes(r["bytes_per_step"]), r["eval_loss"], r["eval_loss_start"]))
     return "\n".join(lines)
 
@@ -158,14 +245,15 @@ def plot(results, path, hosts):
             names = [r["method"] for r in rows]
             colors = ["tab:red" if n in TWOBIT else "tab:blue" if n in HOROVOD_METHODS
                       else "tab:gray" for n in names]
-            bars = ax.bar(range(len(rows)), [r["median_step_s"] for r in rows], color=colors)
+            bars = ax.bar(range(len(rows)), [r.get("real_step_s", r["median_step_s"]) for r in rows],
+                          color=colors)
             for b_, r in zip(bars, rows):
                 ax.annotate(fmt_bytes(r["bytes_per_step"]), (b_.get_x() + b_.get_width() / 2,
                                                              b_.get_height()),
                             ha="center", va="bottom", fontsize=7)
             ax.set_xticks(range(len(rows)))
             ax.set_xticklabels(names, rotation=30, ha="right")
-            ax.set_ylabel("median step time (s)")
+            ax.set_ylabel("median step, real-host equivalent (s)")
             ax.set_title("%s @ %s" % (model, rate))
     fig.suptitle("%d-host virtual cluster: median step time (bars), bytes sent per host per step "
                  "(labels); red = TwoBit, blue = Horovod, gray = DDP" % hosts)
@@ -204,9 +292,13 @@ def driver(args):
     args.work = tempfile.mkdtemp(prefix="bench-cluster-")
     log = open(os.path.join(args.out, "bench_cluster.log"), "w")
     results = []
+    cpus, dilation = emulation(args)
+    started = time.time()
     try:
         for rate in args.rates.split(","):
-            with VirtualCluster(n_hosts=args.hosts, rate=rate, iface=args.iface, subnet=args.subnet) as c:
+            with VirtualCluster(n_hosts=args.hosts, rate=rate, iface=args.iface, subnet=args.subnet,
+                                cpus_per_host=cpus, dilation=dilation,
+                                cpu_period_us=args.cpu_period_us) as c:
                 print(c.describe(), flush=True)
                 for model in args.models.split(","):
                     for group in jobs(methods, args):
@@ -215,11 +307,16 @@ def driver(args):
                         results += rows
                         for r in rows:
                             if not r["failed"]:
-                                print("  %-4s %-13s %-7s median step %.3f s, CPU %.3f s, %s/step/"
-                                      "host, loss %.4f (job %.0f s)" % (
+                                print("  %-4s %-13s %-7s step %.3f s measured, %.3f s real-host "
+                                      "(compute/codec/wait %s), CPU %.3f s, %s/step/host, loss "
+                                      "%.4f (job %.0f s)" % (
                                           model, r["method"], rate, r["median_step_s"],
+                                          r["real_step_s"], "n/a" if r["compute_s"] is None else
+                                          "%.3f/%.3f/%.3f" % (r["compute_s"], r["codec_s"],
+                                                              r["wait_s"]),
                                           r["cpu_step_s"], fmt_bytes(r["bytes_per_step"]),
                                           r["eval_loss"], time.time() - t0), flush=True)
+        print("benchmark took %.0f s" % (time.time() - started), flush=True)
     finally:
         log.close()
         shutil.rmtree(args.work, ignore_errors=True)
@@ -231,8 +328,15 @@ def driver(args):
         results.sort(key=lambda r: (rates.index(r["rate"]), r["model"] != "mlp", r["model"],
                                     order.index(r["method"])))
         methods = list(dict.fromkeys(r["method"] for r in results))
+    emulated = ("Every host had a hard CPU quota of %.3g cores (its own CPU cgroup) and the "
+                "cluster ran with time dilation %.3g (links at rate / %.3g): each host stands for "
+                "a host with %.3g cores on the real-world link, and the real-host step is the "
+                "measured one / %.3g; compute, codec and waiting are real-host seconds, CPU is "
+                "CPU seconds." % (cpus, dilation, dilation, cpus * dilation, dilation)
+                if cpus else "No CPU quota: the hosts share the cores as they come (dilation %g)."
+                % dilation)
     md = ["# horovod-twobit: %d-host virtual cluster benchmark" % args.hosts, "",
-          "Machine: %s. All %d hosts share these cores." % (machine(), args.hosts),
+          "Machine: %s. All %d hosts share these cores. %s" % (machine(), args.hosts, emulated),
           "Steps: %d warm-up + %d timed, batch %d per host, SGD lr %g, %s; median over the timed "
           "steps of the slowest host's step time; CPU = the median of a host's process CPU time "
           "per step (all its threads), median over hosts; bytes = the host's interface tx "
@@ -286,6 +390,17 @@ def main(argv=None):
     ap.add_argument("--mlp-in", type=int, default=1024)
     ap.add_argument("--cnn-channels", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per host")
+    ap.add_argument("--cpus-per-host", type=float, default=None, metavar="Q",
+                    help="hard CPU quota per host in cores (default: cores x headroom / hosts); "
+                         "0: none, the hosts share the cores as they come")
+    ap.add_argument("--dilation", type=float, default=None, metavar="D",
+                    help="time dilation: links at rate / D (default 1 / Q, so that a host stands "
+                         "for a 1-core host; 1 without a quota)")
+    ap.add_argument("--cpu-period-us", type=int, default=None,
+                    help="CFS period of the quota (default 100000, the kernel's)")
+    ap.add_argument("--headroom", type=float, default=HEADROOM,
+                    help="share of the machine's cores the default quotas add up to (default "
+                         "%(default)s)")
     ap.add_argument("--job-timeout", type=float, default=900)
     ap.add_argument("--iface", default="hvd0")
     ap.add_argument("--subnet", default="10.77.0.0/24")

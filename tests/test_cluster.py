@@ -304,8 +304,20 @@ def test_cluster_benchmark_reports_every_method(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["method"]: r for r in json.load(open(out / "bench_cluster.json"))["results"]}
     assert sorted(rows) == ["ddp_fp16", "none", "twobit"]
+    from horovod_twobit.cluster import cpu
+    q = os.cpu_count() * 0.8 / 2 if cpu.backends() else None  # the default emulation
     for r in rows.values():
         assert not r["failed"] and r["median_step_s"] > 0 and r["cpu_step_s"] > 0
+        assert r["cpus_per_host"] == pytest.approx(q)
+        assert r["dilation"] == pytest.approx(1 / q if q else 1)
+        assert r["real_step_s"] == pytest.approx(r["median_step_s"] / r["dilation"])
+    # per host and step: compute, codec (TwoBit's alone), waiting
+    assert rows["none"]["codec_s"] == 0 and rows["twobit"]["codec_s"] > 0
+    for m in ("none", "twobit"):
+        assert rows[m]["compute_s"] > 0 and rows[m]["wait_s"] >= 0
+        assert rows[m]["compute_s"] + rows[m]["codec_s"] < 1.5 * rows[m]["real_step_s"]
+    assert rows["ddp_fp16"]["compute_s"] is None  # DDP communicates inside backward
+    assert "step 3/3: " in proc.stdout  # progress while it runs
     assert rows["none"]["job_s"] == rows["twobit"]["job_s"]  # one job for both
     # 19.5 k gradients: 78 kB in fp32 against 4.9 kB in 2 bits, plus headers and control traffic
     assert rows["twobit"]["bytes_per_step"] < rows["none"]["bytes_per_step"] / 3
