@@ -92,6 +92,8 @@ def test_cgroup_files_of_both_versions(tmp_path, version, monkeypatch):
             assert open(os.path.join(d, "cpu.cfs_period_us")).read() == "100000"
             with open(os.path.join(d, "cpu.stat"), "w") as f:
                 f.write("nr_periods 40\nnr_throttled 30\nthrottled_time 9000000000\n")
+    weight = open(os.path.join(root, "hvdtb-hvdx", "cpu.weight" if version == 2 else "cpu.shares"))
+    assert weight.read() == ("10000" if version == 2 else "262144")  # the largest weight
     if version == 2:  # the controller is handed down to the cluster's groups
         assert open(os.path.join(root, "cgroup.subtree_control")).read() == "+cpu"
         assert open(os.path.join(root, "hvdtb-hvdx", "cgroup.subtree_control")).read() == "+cpu"
@@ -216,28 +218,31 @@ def _spin(c, n, q):
 @pytest.mark.timeout(300)
 def test_validation_a_cpu_quota_slows_a_busy_host_by_its_fraction():
     """(a) 2 hosts (this machine's 2 cores at 1 core per host), all spinning: host 0's fixed task
-    takes 4x as long at 0.25 cores as at 1 core (+-10%), and is throttled to 0.25 of wall."""
+    takes 4x as long at 0.25 cores as at 1 core (+-10%). Each host gets its quota however busy the
+    machine is (1 s of CPU per s at 1 core, 0.25 at 0.25 cores); what other load can still change
+    is the speed of the cores themselves (a VM's cores slow down when their neighbours work): an
+    attempt whose task took more than 10 % more or less CPU time in one run than in the other is
+    repeated, and when every one did, the test is skipped with the figures."""
     attempts = []
     with cluster.VirtualCluster(2, None, iface="hvdtq", subnet=SUBNET, cpus_per_host=1) as c:
         n = 3_000_000
         wall, cpu_s = _spin(c, n, 1)
         n = int(n * 0.8 / max(cpu_s, 1e-3))  # about 0.8 s of CPU
-        for _ in range(3):
+        for _ in range(4):
             w1, c1 = _spin(c, n, 1)
             w4, c4 = _spin(c, n, 0.25)
             attempts.append("1 core: wall %.3f s, CPU %.3f s; 0.25 cores: wall %.3f s, CPU %.3f s; "
-                            "ratio %.3f (load %s)" % (w1, c1, w4, c4, w4 / w1, os.getloadavg()[0]))
-            # throttled to its quota: 4 s of wall per s of CPU, whatever else the machine does
-            assert 3.6 < w4 / c4 < 4.4, attempts
+                            "ratio %.3f (load %.1f)" % (w1, c1, w4, c4, w4 / w1, os.getloadavg()[0]))
+            # every host gets its quota, however busy the machine is
+            assert w1 / c1 < 1.1 and 3.6 < w4 / c4 < 4.4, attempts
             if 3.6 < w4 / w1 < 4.4:
                 break
-            if w1 / c1 < 1.1:  # the host had its core and still missed: a real failure
+            if 0.9 < c4 / c1 < 1.1:  # the cores ran at one speed and it still missed
                 pytest.fail("\n".join(attempts))
     print("\n".join(attempts))
     if not 3.6 < w4 / w1 < 4.4:
-        # every attempt had 1-core hosts that did not get a core: others load this machine
-        pytest.skip("the machine is busy: a host at 1 core got %.2f of one; %s"
-                    % (c1 / w1, "; ".join(attempts)))
+        pytest.skip("the cores' speed changed between the runs of every attempt (other load): "
+                    + "; ".join(attempts))
 
 
 def _transfer(rate, dilation, nbytes, cpus=None):

@@ -12,7 +12,9 @@ Both cgroup versions:
 
 Layout: ``<mount>/hvdtb-<iface>/<iface>-h<i>`` (the namespaces' names), one parent per cluster, so
 that clusters with different ifaces never share a group and ``down`` finds what a crashed cluster
-left. A process joins its host's group before it execs ``ip netns exec`` (``wrap``), so that it
+left. The parent has the largest CPU weight, so that the hosts reach their quotas while other
+processes load the machine (the quotas, adding up to less than its cores, still cap them).
+A process joins its host's group before it execs ``ip netns exec`` (``wrap``), so that it
 and all it starts stay there (children inherit their parent's cgroup).
 """
 
@@ -28,6 +30,11 @@ V1_MOUNT = "/sys/fs/cgroup/cpu"
 DEFAULT_PERIOD_US = 100000  # the kernel's and Mininet's default
 MIN_QUOTA_US = 1000  # the kernel refuses a smaller quota
 MAX_PERIOD_US = 1000000
+# The cluster's parent group gets the largest CPU weight: CFS shares a machine between the groups
+# at one level, so with the default weight all hosts together would weigh as much as any one
+# other process on the machine and fall short of their quotas when it is busy. The quotas still
+# cap what the hosts take.
+WEIGHT = {1: ("cpu.shares", "262144"), 2: ("cpu.weight", "10000")}
 
 
 def _mounts():
@@ -159,6 +166,8 @@ class CpuGroups:
         os.mkdir(self.parent)
         if self.version == 2:
             _write(os.path.join(self.parent, "cgroup.subtree_control"), "+cpu")
+        name, value = WEIGHT[self.version]
+        _write(os.path.join(self.parent, name), value)
         for i in range(len(self.names)):
             os.mkdir(self.path(i))
         self.set_cpus(self.cpus)
