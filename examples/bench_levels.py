@@ -1,6 +1,6 @@
 """CPU cost of choosing a bucket's per-block levels with threshold="auto" (codec.segment_levels),
 on the buckets hvd.DistributedOptimizer builds for examples/bench_buckets.py's PyTorch models, and
-of kernels.auto_levels / block_levels on one small tensor. One thread; CPU time (process_time)
+of levels.auto_levels / block_levels on one small tensor. One thread; CPU time (process_time)
 and wall time per call, min and median over ``--calls`` calls after ``--warmup``.
 
     .venv/bin/python -m examples.bench_levels --models transformer,cnn --calls 50
@@ -15,7 +15,7 @@ import torch
 from examples.bench_buckets import torch_model
 from horovod_twobit import layout as lay
 from horovod_twobit import wire
-from horovod_twobit.torch import codec, kernels
+from horovod_twobit.torch import codec, levels
 
 
 def model_layouts(name):
@@ -83,9 +83,9 @@ def main(argv=None):
     r, g = torch.randn(n, generator=gen) * 1e-3, torch.randn(n, generator=gen) * 1e-2
     block = wire.block_of(n, *wire.validate_blocks("auto"))
     report("auto_levels, %d values" % n,
-           timed(lambda: kernels.auto_levels(r, g, args.rule), args.calls, args.warmup))
+           timed(lambda: levels.auto_levels(r, g, args.rule), args.calls, args.warmup))
     report("block_levels, %d values, block %s" % (n, block),
-           timed(lambda: kernels.block_levels(r, g, block, args.rule), args.calls, args.warmup))
+           timed(lambda: levels.block_levels(r, g, block, args.rule), args.calls, args.warmup))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ residuals nor its owners' change.
 import numpy as np
 
 from . import scatter_wire, wire
-from .reference import auto_levels, quantize
+from .reference_codec import auto_levels, quantize
 
 
 def signs(codes):

@@ -6,7 +6,7 @@ import torch
 
 from horovod_twobit import reference as ref
 from horovod_twobit import wire
-from horovod_twobit.torch import TwoBitCompressor, kernels
+from horovod_twobit.torch import TwoBitCompressor, kernels, levels
 
 
 @pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms", "mean*3", "lsq*2"])
@@ -17,12 +17,12 @@ def test_auto_threshold_matches_reference(monkeypatch, rule, path, n):
     rng = np.random.default_rng(n)
     r = (rng.standard_normal(n) * 0.01).astype(np.float32)
     g = (rng.standard_normal(n) * rng.choice([0.001, 0.1, 3.0], n)).astype(np.float32)
-    got = kernels.auto_levels(torch.from_numpy(r), torch.from_numpy(g), rule)
+    got = levels.auto_levels(torch.from_numpy(r), torch.from_numpy(g), rule)
     want = ref.auto_levels(r + g, rule)
     for y, w in zip(got, want):
         assert y.dtype == torch.float32 and y.dim() == 0
         assert y.numpy().view(np.int32) == np.float32(w).view(np.int32)
-    assert kernels.auto_threshold(torch.from_numpy(r), torch.from_numpy(g), rule).item() == want[0]
+    assert levels.auto_threshold(torch.from_numpy(r), torch.from_numpy(g), rule).item() == want[0]
 
 
 def _spread(rng, shape):
@@ -48,12 +48,12 @@ def test_levels_of_widely_spread_magnitudes(monkeypatch, rule, path):
             x[0] = 0.0
             x[1, :-1], x[1, -1] = 1e-30, 1e38
             r, g = x, np.zeros_like(x)
-        t, v = kernels.auto_levels(torch.from_numpy(r), torch.from_numpy(g), rule)
+        t, v = levels.auto_levels(torch.from_numpy(r), torch.from_numpy(g), rule)
         want = np.array([ref.auto_levels(row, rule) for row in x], np.float32)
         np.testing.assert_array_equal(t.numpy().view(np.int32), want[:, 0].view(np.int32))
         np.testing.assert_array_equal(v.numpy().view(np.int32), want[:, 1].view(np.int32))
     x = _spread(rng, 70001)
-    t, v = kernels.block_levels(torch.from_numpy(x), torch.zeros(70001), 256, rule)
+    t, v = levels.block_levels(torch.from_numpy(x), torch.zeros(70001), 256, rule)
     tb, vb = ref.block_levels(x, 256, rule)
     np.testing.assert_array_equal(t.numpy().view(np.int32), tb.view(np.int32))
     np.testing.assert_array_equal(v.numpy().view(np.int32), vb.view(np.int32))
@@ -78,7 +78,7 @@ def test_lsq_sends_the_least_squares_magnitude():
 
 
 def test_auto_threshold_of_zeros_sends_nothing():
-    t = kernels.auto_threshold(torch.zeros(32), torch.zeros(32))
+    t = levels.auto_threshold(torch.zeros(32), torch.zeros(32))
     assert float(t) == torch.finfo(torch.float32).tiny
     assert ref.auto_threshold(np.zeros(32, np.float32)) == np.finfo(np.float32).tiny
     r = np.zeros(32, np.float32)
@@ -152,7 +152,7 @@ def test_block_levels_match_reference(monkeypatch, rule, path, n, block):
     for i, a in enumerate(range(0, n, block)):  # each block is auto_levels of its own values
         assert (tb[i], vb[i]) == ref.auto_levels((r + g)[a:a + block], rule)
     G = torch.from_numpy(g).to(dev)
-    t, v = kernels.block_levels(torch.from_numpy(r).to(dev), G, block, rule)
+    t, v = levels.block_levels(torch.from_numpy(r).to(dev), G, block, rule)
     np.testing.assert_array_equal(t.cpu().numpy().view(np.int32), tb.view(np.int32))
     np.testing.assert_array_equal(v.cpu().numpy().view(np.int32), vb.view(np.int32))
     rr, R = r.copy(), torch.from_numpy(r.copy()).to(dev)

@@ -103,12 +103,12 @@ def _check_auto_step(step, n, t_bits, v_bits, words, residual, decoded):
 @pytest.mark.parametrize("case", AUTO, ids=AUTO_IDS)
 def test_auto_torch(case):
     torch = pytest.importorskip("torch")
-    from horovod_twobit.torch import decode, encode, kernels
+    from horovod_twobit.torch import decode, encode, levels
     n = case["numel"]
     r = torch.zeros(n)
     for step in case["steps"]:
         g = torch.from_numpy(f32(step["grad"]))
-        t, v = kernels.auto_levels(r, g, case["rule"])
+        t, v = levels.auto_levels(r, g, case["rule"])
         words = encode(g, r, float(t), float(v))
         _check_auto_step(step, n, int(t.reshape(1).view(torch.int32)[0]),
                          int(v.reshape(1).view(torch.int32)[0]), words.tolist(),

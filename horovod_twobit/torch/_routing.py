@@ -14,7 +14,8 @@ import horovod.torch.mpi_ops as mpi_ops
 import horovod.torch.optimizer as hvd_optimizer
 
 from . import progress
-from .communicator import Handle, check_call
+from .communicator import Handle
+from .flight import check_call
 from .compressor import TwoBitCompressor, pending_of
 
 _MODULES = (hvd_torch, mpi_ops, hvd_optimizer)

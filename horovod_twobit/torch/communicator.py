@@ -19,30 +19,13 @@ import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
-from .. import scatter_wire, wire
+from .. import scatter_wire
 from ..layout import Layout
-from . import codec, progress
+from . import codec
+from .flight import Flight
+from .scatter_flight import ScatterFlight
 
 _split = codec.split_single  # the single-tensor payload parser (tests use it by this name)
-
-
-def check_call(op, name):
-    if op not in (mpi_ops.Average, mpi_ops.Sum):
-        raise ValueError(
-            "TwoBitCompressor supports op=hvd.Average and op=hvd.Sum only (got %s): use "
-            "hvd.Compression.none for Adasum, Min, Max or Product" % _op_name(op))
-    if name is None:
-        raise ValueError(
-            "TwoBitCompressor keys its residual by tensor name, and this allreduce has none: "
-            "pass name='...' (a name that stays the same every step) to hvd.allreduce, or "
-            "named_parameters to hvd.DistributedOptimizer")
-
-
-def _op_name(op):
-    for k in ("Average", "Sum", "Adasum", "Min", "Max", "Product"):
-        if op == getattr(mpi_ops, k, object()):
-            return "hvd." + k
-    return repr(op)
 
 
 class Bucket:
@@ -117,9 +100,7 @@ class Bucket:
         prev, self._flight = self._flight, None
         if prev is not None:
             prev.wait()  # its buffers are about to be reused; it was launched, so this ends
-        cls = Flight
-        if self.exchange(process_set.size())[0] == "scatter":
-            from .scatter_flight import ScatterFlight as cls
+        cls = ScatterFlight if self.exchange(process_set.size())[0] == "scatter" else Flight
         self._flight = cls(self, tensors, op, prescale, postscale, process_set, in_place)
         return self._flight
 
@@ -167,80 +148,6 @@ class _Round:
         if self.singles is None:
             self.singles = self.bucket.flush(self)
         return self.singles[self.bucket.names[index]].result(0)
-
-
-class Flight:
-    """One bucket's step in flight: encoded, its allgather submitted; finished on first wait.
-    (:class:`~horovod_twobit.torch.scatter_flight.ScatterFlight` replaces the collective.)"""
-
-    def __init__(self, bucket, tensors, op, prescale, postscale, process_set, in_place):
-        layout, c = bucket.layout, bucket.compressor
-        check_call(op, bucket.names[0])
-        self.bucket, self.tensors, self.in_place = bucket, tensors, in_place
-        self.op, self.scale, self.nranks = op, float(prescale) * float(postscale), process_set.size()
-        self.r = bucket.residual(tensors)
-        if layout.single:
-            self.g = codec.flat(tensors[0])
-        else:
-            self.g = bucket._g
-            torch._foreach_copy_(bucket.views(tensors), [t.detach() for t in tensors])
-        payload = torch.empty(layout.payload_words, dtype=torch.int32, device=self.g.device)
-        self.t, self.v = codec.encode_payload(layout, self.r, self.g, c.threshold, c.auto_rule,
-                                              payload)
-        self.process_set = process_set
-        self.results = None
-        self._submit(payload)
-
-    def _submit(self, payload):
-        self.handle = mpi_ops.allgather_async(payload, name=self.bucket.names[0],
-                                              process_set=self.process_set)
-
-    def poll(self):
-        return self.results is not None or mpi_ops.poll(self.handle)
-
-    def wait(self):
-        if self.results is None:
-            self.results = self._finish(self._collect())
-        return self.results
-
-    def _collect(self):
-        progress.wait(lambda: mpi_ops.poll(self.handle))
-        return mpi_ops.synchronize(self.handle)
-
-    def _decode(self, gathered, divisor, out=None):
-        """The flat result (into ``out``, or over the flat gradient) and the residual commit."""
-        b = self.bucket
-        return codec.finish_payload(b.layout, gathered, self.nranks, b.names, self.r, self.g,
-                                    self.t, self.v, divisor, self.scale, out=out)
-
-    def result(self, index):
-        return self.wait()[index]
-
-    def _finish(self, gathered):
-        layout = self.bucket.layout
-        divisor = self.nranks if self.op == mpi_ops.Average else 1
-        if layout.single:
-            t = self.tensors[0]
-            own = self.in_place and t.is_contiguous() and self.g.dtype == t.dtype
-            out = None if own else torch.empty(layout.values, dtype=_out_dtype(t), device=t.device)
-            res = self._decode(gathered, divisor, out)
-            if own:
-                return [t]
-            res = res.view(t.shape).to(t.dtype)
-            if self.in_place:
-                t.copy_(res)
-                return [t]
-            return [res]
-        self._decode(gathered, divisor)  # over the flat gradient buffer
-        views = self.bucket.views(self.tensors)
-        if self.in_place:
-            torch._foreach_copy_(self.tensors, views)
-            return self.tensors
-        return [v.to(t.dtype, copy=True) for v, t in zip(views, self.tensors)]
-
-
-def _out_dtype(t):
-    return t.dtype if t.dtype != torch.float64 else torch.float32
 
 
 class Handle:

@@ -350,7 +350,3 @@ def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, 
                                     scale)[:n - m].to(dest.dtype))
     return dest
 
-
-# The automatic levels live in levels.py (which adds its bodies to _BODIES); their names stay here.
-from .levels import (AUTO_RULES, DEFAULT_RULE, OPT_MULTIPLES, auto_levels,  # noqa: E402,F401
-                     auto_threshold, block_levels)

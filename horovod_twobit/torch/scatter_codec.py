@@ -14,7 +14,7 @@ import torch
 
 from .. import scatter_wire as sw
 from .. import wire
-from . import kernels
+from . import kernels, levels
 
 
 def _cached(chunks, key, make):
@@ -116,7 +116,7 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule, residu
 
 def piece_levels(pieces, r, g, rule):
     """Automatic (thresholds, magnitudes) of r + g over each piece (a block cut to the chunk):
-    pieces of equal length are reduced together, each exactly as :func:`kernels.auto_levels`
+    pieces of equal length are reduced together, each exactly as :func:`levels.auto_levels`
     reduces one tensor."""
     ts = torch.empty(len(pieces), dtype=torch.float32, device=g.device)
     vs = torch.empty_like(ts)
@@ -126,7 +126,7 @@ def piece_levels(pieces, r, g, rule):
     for length, ids in by_len.items():
         idx = torch.cat([torch.arange(pieces[i][2], pieces[i][2] + length, device=g.device)
                          for i in ids])
-        t, v = kernels.auto_levels(r.index_select(0, idx).view(len(ids), length),
+        t, v = levels.auto_levels(r.index_select(0, idx).view(len(ids), length),
                                    g.index_select(0, idx).view(len(ids), length), rule)
         where = torch.tensor(ids, dtype=torch.int64, device=g.device)
         ts.index_copy_(0, where, t)

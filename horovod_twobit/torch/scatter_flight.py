@@ -1,6 +1,6 @@
 """One bucket's step through the scatter exchange (``TwoBitCompressor(..., exchange="scatter")``).
 
-The encode is the allgather exchange's (:class:`~horovod_twobit.torch.communicator.Flight`); then
+The encode is the allgather exchange's (:class:`~horovod_twobit.torch.flight.Flight`); then
 
 1. the payload is cut into N chunk payloads (``scatter_codec.chunk_payloads``) and sent to their
    owners with Horovod's ``alltoall``;
@@ -28,7 +28,7 @@ import torch
 
 from .. import scatter_wire
 from . import codec, progress, scatter_codec
-from .communicator import Flight
+from .flight import Flight
 
 
 class ScatterFlight(Flight):
