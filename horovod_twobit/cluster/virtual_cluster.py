@@ -236,10 +236,15 @@ class VirtualCluster:
     def env(self, extra=None):
         """Environment for jobs: the ssh wrapper first on PATH, Open MPI allowed to run as root;
         ``HVDTB_CLUSTER_DILATION`` and ``HVDTB_CLUSTER_CPUS_PER_HOST`` say how the hosts are
-        emulated (a job divides its times by the dilation for a real host's)."""
-        extra = dict({"HVDTB_CLUSTER_DILATION": "%g" % self.dilation,
-                      "HVDTB_CLUSTER_CPUS_PER_HOST": "%g" % (self.cpus_per_host or 0)}, **(extra or {}))
-        return jobs.job_env(self.bin_dir, extra)
+        emulated (a job divides its times by the dilation for a real host's). Under dilation D,
+        Horovod's background cycle (1 ms by default) is D ms unless ``HOROVOD_CYCLE_TIME`` is set:
+        a real host's timers run D times slower too."""
+        base = {"HVDTB_CLUSTER_DILATION": "%g" % self.dilation,
+                "HVDTB_CLUSTER_CPUS_PER_HOST": "%g" % (self.cpus_per_host or 0)}
+        if self.dilation != 1 and "HOROVOD_CYCLE_TIME" not in os.environ:
+            # timers run slow too: Horovod's 1 ms background cycle of a real host
+            base["HOROVOD_CYCLE_TIME"] = "%g" % self.dilation
+        return jobs.job_env(self.bin_dir, dict(base, **(extra or {})))
 
     def horovodrun_argv(self, np_per_host, command, mpi=False, hosts=None, extra_args=()):
         """The horovodrun command line for ``command`` (a list) on the cluster's hosts."""
