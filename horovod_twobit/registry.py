@@ -45,6 +45,11 @@ class ResidualRegistry:
                     % (name, self._numel(r), self._numel(grad)))
             return r
 
+    def lookup(self, name):
+        """The residual of ``name`` if it has one in use, else None (nothing is created)."""
+        with self._lock:
+            return self._residuals.get(name)
+
     def bind(self, name, view):
         """Makes ``view`` (e.g. a slice of a bucket's flat buffer) the residual of ``name``, holding
         its current value: the residual it had, a restored one, or zero. Same size checks as

@@ -130,6 +130,17 @@ def allgather_total_bytes(layout, nranks):
     return 4 * nranks * (nranks - 1) * layout.payload_words
 
 
+def rank_bytes(layout, nranks, rank, exchange):
+    """Bytes rank ``rank`` hands to the collectives for one step of a bucket with ``exchange``
+    ("allgather" or "scatter", as decided): its payload (allgather), or its N chunk payloads
+    (alltoall) and its reduced chunk (allgather). The scatter exchange's one-time plan is not
+    counted."""
+    if exchange == "scatter":
+        chunks = Chunks(layout, nranks)
+        return 4 * (sum(chunks.sent_words(c) for c in range(nranks)) + chunks.reduced_words(rank))
+    return 4 * layout.payload_words
+
+
 def bytes_per_rank(layouts, nranks, exchange):
     """Bytes one rank sends per step, on average over the ranks, for these layouts (e.g.
     ``layout.model_layouts``) with ``exchange``, by the formats' own count (headers included)."""

@@ -156,6 +156,25 @@ def encode_payload(layout, r, g, threshold, rule, payload):
     return t, v
 
 
+_SENT_PER_BYTE = {}  # device -> 256-entry table: codes 10 and 11 (sent) in a byte
+
+
+def payload_counts(layout, payload, threshold):
+    """(values sent as +-level, sum of the levels, number of levels) of one rank's payload, for
+    the compressor's stats: read from the payload itself (the codes' high bits; the magnitudes
+    with "auto", else the numeric threshold). One host round trip; not on the step's path."""
+    table = _SENT_PER_BYTE.get(payload.device)
+    if table is None:
+        table = _SENT_PER_BYTE[payload.device] = torch.tensor(
+            [bin(b & 0xAA).count("1") for b in range(256)], dtype=torch.int64,
+            device=payload.device)
+    sent = int(table[payload[layout.body:].view(torch.uint8).long()].sum())
+    if not layout.auto:
+        return sent, float(threshold), 1
+    mags = payload[layout.head_words:layout.body] if layout.mag_words else payload[4:5]
+    return sent, float(mags.view(torch.float32).double().sum()), mags.numel()
+
+
 def split_single(gathered, numel, nranks, name, block=None):
     """[(header, body)] per rank of an allgathered single-tensor payload, or
     PayloadMismatchError with the same message on every rank."""
@@ -221,7 +240,7 @@ def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, 
     error feedback (r <- r + g - q, with the (t, v) :func:`encode_payload` returned) and writes the
     decode-sum of all ranks, / ``divisor``, * ``scale``, into ``out`` (or over ``g``). A member
     that held NaN or Inf on any rank gets NaN and keeps its residual; the others are finished as
-    if it were not there. Returns the flat result."""
+    if it were not there. Returns the flat result, and whether some member held NaN or Inf."""
     headers, rows, bad = _rows(layout, gathered, nranks, names)
     dest = g if out is None else out
     on = _on(layout, g.device)
@@ -234,7 +253,7 @@ def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, 
     bad = [any(b[i] for b in bad) for i in range(layout.members)]
     if not any(bad):
         kernels.finish(words, ts, r, g, t, divisor, scale, out=out, magnitude=v)
-        return dest
+        return dest, False
     for i, ((w0, nw), start, n) in enumerate(zip(layout.member_offsets(), layout.starts,
                                                  layout.numels)):
         if bad[i]:
@@ -246,4 +265,4 @@ def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, 
         kernels.finish([w[w0:w0 + nw] for w in words], [kernels.span(x, w0, nw) for x in ts],
                        r[span], g[span], kernels.span(t, w0, nw), divisor, scale,
                        out=None if out is None else out[span], magnitude=kernels.span(v, w0, nw))
-    return dest
+    return dest, True

@@ -9,6 +9,7 @@ from horovod.torch.compression import Compressor
 
 from .. import layout, scatter_wire, state, wire
 from ..registry import ResidualRegistry
+from ..stats import StatsLog
 
 _MARK = "_horovod_twobit"
 
@@ -130,6 +131,7 @@ class TwoBitCompressor(Compressor):
         self._owner_of = None
         # (bucket, process set, size) whose ranks all announced the scatter exchange
         self.agreed = set()
+        self.stats_log = StatsLog()
         self._buckets = {}  # tensor name -> its planned Bucket
         self._singles = {}  # tensor name -> a Bucket of that tensor alone
         self._lock = threading.Lock()
@@ -221,6 +223,33 @@ class TwoBitCompressor(Compressor):
             self.owners.reset()
             self._owner_of = (rank, size)
         return self.owners.get(key, torch.empty(numel, dtype=torch.float32, device=device))
+
+    def stats(self, reset=False, per_tensor=False):
+        """What this compressor did, as a plain dict: bytes this rank handed to the collectives
+        at every bucket's last step and in total (per exchange), the fraction of values it sent
+        at the last step, the threshold (with "auto": the mean of the levels it sent), the
+        bucket steps whose result was NaN, and per bucket its exchange, fraction sent and
+        residual norms (per tensor with ``per_tensor=True``). See
+        :meth:`horovod_twobit.stats.StatsLog.snapshot` for the keys.
+
+        Recording costs no device work; reading computes the counts and norms from the last
+        payloads and the residuals (a host round trip). ``reset=True`` clears the running sums
+        after reading them."""
+        out = self.stats_log.snapshot(self._residual_norms, self.threshold, per_tensor)
+        if reset:
+            self.stats_log.reset()
+        return out
+
+    def _residual_norms(self, names):
+        out = {}
+        for n in names:
+            r = self.residuals.lookup(n)
+            if r is not None and r.numel():
+                r = r.detach().double()
+                out[n] = (float((r * r).sum()), float(r.abs().max()))
+            elif r is not None:
+                out[n] = (0.0, 0.0)
+        return out
 
     def state_dict(self):
         """This rank's residuals (CPU copies) keyed by tensor name, with the threshold, rank and

@@ -7,6 +7,7 @@ import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
+from .. import scatter_wire
 from . import codec, progress
 
 
@@ -33,6 +34,8 @@ class Flight:
     """One bucket's step in flight: encoded, its allgather submitted; finished on first wait.
     (:class:`~horovod_twobit.torch.scatter_flight.ScatterFlight` replaces the collective.)"""
 
+    EXCHANGE = "allgather"
+
     def __init__(self, bucket, tensors, op, prescale, postscale, process_set, in_place):
         layout, c = bucket.layout, bucket.compressor
         check_call(op, bucket.names[0])
@@ -49,6 +52,11 @@ class Flight:
                                               payload)
         self.process_set = process_set
         self.results = None
+        c.stats_log.sent(scatter_wire.owner_key(bucket.names), bucket.names, self.EXCHANGE,
+                         scatter_wire.rank_bytes(layout, self.nranks, process_set.rank(),
+                                                 self.EXCHANGE),
+                         lambda: codec.payload_counts(layout, payload, c.threshold),
+                         sum(layout.numels))
         self._submit(payload)
 
     def _submit(self, payload):
@@ -68,7 +76,8 @@ class Flight:
         return mpi_ops.synchronize(self.handle)
 
     def _decode(self, gathered, divisor, out=None):
-        """The flat result (into ``out``, or over the flat gradient) and the residual commit."""
+        """The flat result (into ``out``, or over the flat gradient) and the residual commit;
+        returns it with whether some member held NaN or Inf."""
         b = self.bucket
         return codec.finish_payload(b.layout, gathered, self.nranks, b.names, self.r, self.g,
                                     self.t, self.v, divisor, self.scale, out=out)
@@ -77,13 +86,18 @@ class Flight:
         return self.wait()[index]
 
     def _finish(self, gathered):
+        res = self._results(gathered)
+        self.bucket.compressor.stats_log.finished(self.nonfinite)
+        return res
+
+    def _results(self, gathered):
         layout = self.bucket.layout
         divisor = self.nranks if self.op == mpi_ops.Average else 1
         if layout.single:
             t = self.tensors[0]
             own = self.in_place and t.is_contiguous() and self.g.dtype == t.dtype
             out = None if own else torch.empty(layout.values, dtype=_out_dtype(t), device=t.device)
-            res = self._decode(gathered, divisor, out)
+            res, self.nonfinite = self._decode(gathered, divisor, out)
             if own:
                 return [t]
             res = res.view(t.shape).to(t.dtype)
@@ -91,7 +105,7 @@ class Flight:
                 t.copy_(res)
                 return [t]
             return [res]
-        self._decode(gathered, divisor)  # over the flat gradient buffer
+        _, self.nonfinite = self._decode(gathered, divisor)  # over the flat gradient buffer
         views = self.bucket.views(self.tensors)
         if self.in_place:
             torch._foreach_copy_(self.tensors, views)

@@ -33,6 +33,8 @@ from .flight import Flight
 
 class ScatterFlight(Flight):
 
+    EXCHANGE = "scatter"
+
     def _submit(self, payload):
         b, c = self.bucket, self.bucket.compressor
         _, self.chunks = b.exchange(self.nranks)
@@ -114,4 +116,4 @@ class ScatterFlight(Flight):
     def _decode(self, gathered, divisor, out=None):
         return scatter_codec.finish_reduced(self.chunks, gathered, self.bucket.names, self.r,
                                             self.g, self.t, self.v, self.bad, divisor, self.scale,
-                                            out=out)
+                                            out=out), any(self.bad)

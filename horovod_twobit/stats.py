@@ -1,0 +1,120 @@
+"""What a compressor did, for ``TwoBitCompressor.stats()``: framework-free bookkeeping.
+
+Each bucket step (one encode and its collectives) is recorded when it is launched
+(:meth:`StatsLog.sent`: its exchange, the bytes this rank hands to the collectives, and a
+*reader*, a function that computes the step's code counts and levels from the payload it keeps)
+and when it is finished (:meth:`StatsLog.finished`: whether a member held NaN or Inf). Recording
+is a few dictionary updates on the host: no device work and no host-device synchronisation. Code
+counts, levels and residual norms are computed only when :meth:`StatsLog.snapshot` is called,
+from the last step's payload and the current residuals.
+
+The snapshot is a plain dict (see :meth:`StatsLog.snapshot`) that a logger can write as it is:
+``horovod_twobit.stats.scalars(snapshot)`` flattens it to ``{"twobit/...": number}``.
+"""
+
+import threading
+
+EXCHANGES = ("allgather", "scatter")
+
+
+class _Step:
+    __slots__ = ("names", "exchange", "nbytes", "reader", "values")
+
+    def __init__(self, names, exchange, nbytes, reader, values):
+        self.names, self.exchange, self.nbytes = list(names), exchange, int(nbytes)
+        self.reader, self.values = reader, int(values)
+
+
+class StatsLog:
+    """Running statistics of one compressor (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last = {}  # bucket key -> _Step of its last launch
+        self.reset()
+
+    def reset(self):
+        """Clears the running sums (totals, non-finite count); the last step stays readable."""
+        with self._lock:
+            self._bytes_total = dict.fromkeys(EXCHANGES, 0)
+            self._steps = dict.fromkeys(EXCHANGES, 0)
+            self._nonfinite = 0
+
+    def sent(self, key, names, exchange, nbytes, reader, values):
+        """A bucket step was launched: ``nbytes`` handed to the collectives with ``exchange``;
+        ``reader()`` -> (codes sent as +-level, sum of the levels in use, number of levels) of
+        this rank's payload, evaluated only by :meth:`snapshot`; ``values``: the real values."""
+        with self._lock:
+            self._last[key] = _Step(names, exchange, nbytes, reader, values)
+            self._bytes_total[exchange] += int(nbytes)
+            self._steps[exchange] += 1
+
+    def finished(self, nonfinite):
+        """A bucket step was finished; ``nonfinite``: some member held NaN or Inf on some rank
+        (its result is NaN everywhere: a loss scaler skips that step)."""
+        if nonfinite:
+            with self._lock:
+                self._nonfinite += 1
+
+    def snapshot(self, residual_norms, threshold, per_tensor=False):
+        """The statistics as a dict:
+
+        - ``bytes_last_step`` / ``bytes_total``: {exchange: bytes this rank handed to the
+          collectives}, at every bucket's last step / since the start or the last reset;
+        - ``bucket_steps``: {exchange: bucket steps since then};
+        - ``fraction_sent``: the fraction of values this rank sent as +-level at the last step;
+        - ``threshold``: the numeric threshold, or with "auto" the mean of the levels (magnitudes)
+          this rank sent at the last step;
+        - ``nonfinite_steps``: bucket steps whose result was NaN (a member held NaN or Inf);
+        - ``buckets``: {bucket key: {tensors, exchange, values, bytes_last_step, fraction_sent,
+          level_mean, residual_l2, residual_max}};
+        - ``tensors`` (``per_tensor=True``): {name: {residual_l2, residual_max}}.
+
+        ``residual_norms(names)`` -> {name: (sum of squares, max |r|)} of the current residuals.
+        """
+        with self._lock:
+            last = dict(self._last)
+            out = {"bytes_total": dict(self._bytes_total), "bucket_steps": dict(self._steps),
+                   "nonfinite_steps": self._nonfinite}
+        out["bytes_last_step"] = dict.fromkeys(EXCHANGES, 0)
+        buckets, sent, values, level_sum, level_count = {}, 0, 0, 0.0, 0
+        norms = residual_norms([n for s in last.values() for n in s.names])
+        for key, s in sorted(last.items()):
+            nonzero, lsum, lcount = s.reader()
+            out["bytes_last_step"][s.exchange] += s.nbytes
+            sent, values = sent + nonzero, values + s.values
+            level_sum, level_count = level_sum + lsum, level_count + lcount
+            sq = sum(norms[n][0] for n in s.names if n in norms)
+            buckets[key] = {
+                "tensors": list(s.names), "exchange": s.exchange, "values": s.values,
+                "bytes_last_step": s.nbytes, "fraction_sent": nonzero / max(s.values, 1),
+                "level_mean": lsum / lcount if lcount else float("nan"),
+                "residual_l2": sq ** 0.5,
+                "residual_max": max([norms[n][1] for n in s.names if n in norms], default=0.0)}
+        out["fraction_sent"] = sent / values if values else 0.0
+        if threshold == "auto":
+            out["threshold"] = level_sum / level_count if level_count else float("nan")
+        else:
+            out["threshold"] = float(threshold)
+        out["buckets"] = buckets
+        if per_tensor:
+            out["tensors"] = {n: {"residual_l2": q ** 0.5, "residual_max": m}
+                              for n, (q, m) in sorted(norms.items())}
+        return out
+
+
+def scalars(snapshot, prefix="twobit/"):
+    """A snapshot flattened to {name: number} for a logger (TensorBoard, Keras ``logs``): the
+    totals, the fraction sent, the threshold, the non-finite count, and per bucket its fraction
+    sent and residual norms."""
+    out = {prefix + "fraction_sent": snapshot["fraction_sent"],
+           prefix + "threshold": snapshot["threshold"],
+           prefix + "nonfinite_steps": snapshot["nonfinite_steps"]}
+    for ex in EXCHANGES:
+        out[prefix + "bytes_last_step/" + ex] = snapshot["bytes_last_step"][ex]
+        out[prefix + "bytes_total/" + ex] = snapshot["bytes_total"][ex]
+    for key, b in snapshot["buckets"].items():
+        k = key.replace(" ", "").replace("(", "_").replace(")", "")
+        for f in ("fraction_sent", "residual_l2", "residual_max"):
+            out["%sbucket/%s/%s" % (prefix, k, f)] = b[f]
+    return out

@@ -1,0 +1,113 @@
+"""TwoBitCompressor.stats(), checked against values computed independently: bytes from the
+formats' own counts (Layout.payload_words, scatter_wire.Chunks), the fraction sent and the levels
+from the NumPy reference's replay of the same gradients, residual norms from the reference's
+residuals, the NaN step counted once, and reset=True clearing the running sums."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jobs
+import sim
+from horovod_twobit import reference as ref
+from horovod_twobit import scatter_wire as sw
+from horovod_twobit import wire
+from horovod_twobit.layout import Layout
+
+pytestmark = pytest.mark.slow
+STEPS, NAN_STEP, RESET_STEP = 5, 2, 3
+GROUPS = [["2.bias", "2.weight", "0.bias"], ["0.weight"]]
+CONFIGS = [(0.05, "allgather"), ("auto", "scatter"), ("auto", "allgather"), (0.05, "scatter")]
+
+
+def _ranks(tmp_path_factory, index):
+    def job():
+        out = tmp_path_factory.mktemp("stats")
+        jobs.run(2, "torch_stats.py", "--out", out, "--steps", STEPS, "--configs",
+                 *["%s:%s" % c for c in CONFIGS], timeout=300)
+        return out
+    return sim.load_ranks(str(jobs.shared(("torch_stats",), job) / str(index)), 2)
+
+
+def _expected(ranks, threshold, exchange):
+    """Per step and rank: {sent, values, levels: [magnitudes sent], residual norms per tensor}
+    from the reference."""
+    N = len(ranks)
+    w = ref.Workers(N, threshold, exchange=exchange)
+    out = []
+    for step in range(STEPS):
+        before = [{n: w.residuals[r].get(n, np.zeros(0, np.float32)).copy() for g in GROUPS
+                   for n in g} for r in range(N)]
+        for g in GROUPS:
+            w.bucket(g, [[r["local/%d/%s" % (step, n)].reshape(-1) for n in g] for r in ranks])
+        per_rank = []
+        for rank, r in enumerate(ranks):
+            sent = values = 0
+            levels = []
+            for g in GROUPS:
+                for n in g:
+                    x = r["local/%d/%s" % (step, n)].reshape(-1)
+                    values += x.size
+                    lv = w.last_levels.get(n, [None] * N)[rank]
+                    if lv is None:  # the NaN step: nothing committed, nothing to compare
+                        continue
+                    t, v = lv
+                    levels += np.atleast_1d(v).tolist()
+                    block = wire.block_of(x.size, w.block, w.blocks)
+                    if block:
+                        t, v = ref.per_value(t, block, x.size), ref.per_value(v, block, x.size)
+                    res = before[rank][n] if before[rank][n].size else np.zeros(x.size, np.float32)
+                    sent += int(np.count_nonzero(ref.quantize(x, res.copy(), t, v)))
+            norms = {n: (float(np.sqrt((w.residuals[rank][n].astype(np.float64) ** 2).sum())),
+                         float(np.abs(w.residuals[rank][n]).max()))
+                     for g in GROUPS for n in g}
+            per_rank.append({"sent": sent, "values": values, "levels": levels, "norms": norms})
+        out.append(per_rank)
+    return out
+
+
+def _bytes(threshold, exchange, rank, N=2):
+    total = {"allgather": 0, "scatter": 0}
+    for g in GROUPS:
+        numels = [{"2.bias": 6, "2.weight": 240, "0.bias": 40, "0.weight": 480}[n] for n in g]
+        lay = Layout(numels, threshold == "auto", *wire.validate_blocks(threshold))
+        ex = sw.choose(exchange, lay, N)
+        if ex == "scatter":
+            ch = sw.Chunks(lay, N)
+            total[ex] += 4 * (sum(ch.sent_words(c) for c in range(N)) + ch.reduced_words(rank))
+        else:
+            total[ex] += 4 * lay.payload_words
+    return total
+
+
+@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=["%s-%s" % c for c in CONFIGS])
+def test_stats_match_independent_counts(tmp_path_factory, index):
+    threshold, exchange = CONFIGS[index]
+    ranks = _ranks(tmp_path_factory, index)
+    want = _expected(ranks, threshold, exchange)
+    for rank, r in enumerate(ranks):
+        per_step = _bytes(threshold, exchange, rank)
+        assert sum(per_step.values()) > 0
+        for step in range(STEPS):
+            st = json.loads(str(r["stats/%d" % step]))
+            since = step + 1 if step <= RESET_STEP else step - RESET_STEP
+            assert st["bytes_last_step"] == per_step
+            assert st["bytes_total"] == {k: since * v for k, v in per_step.items()}
+            assert sum(st["bucket_steps"].values()) == since * len(GROUPS)
+            assert st["nonfinite_steps"] == (1 if NAN_STEP <= step <= RESET_STEP else 0)
+            assert sorted(b["tensors"] for b in st["buckets"].values()) == sorted(GROUPS)
+            for b in st["buckets"].values():
+                assert b["exchange"] == ("scatter" if exchange == "scatter" else "allgather")
+            e = want[step][rank]
+            for n, (l2, mx) in e["norms"].items():
+                assert st["tensors"][n]["residual_l2"] == pytest.approx(l2, rel=1e-12, abs=0)
+                assert st["tensors"][n]["residual_max"] == mx
+            if step == NAN_STEP:
+                continue
+            assert st["fraction_sent"] == pytest.approx(e["sent"] / e["values"], rel=1e-12)
+            assert 0 < st["fraction_sent"] < 1
+            if threshold == "auto":
+                assert st["threshold"] == pytest.approx(np.mean(e["levels"]), rel=1e-9)
+            else:
+                assert st["threshold"] == threshold
