@@ -156,6 +156,10 @@ def test_every_process_of_a_host_is_in_its_cpu_group_and_goes_with_it():
             qd = subprocess.run(["tc", "qdisc", "show", "dev", c.hosts[0].root_veth],
                                 capture_output=True, text=True).stdout
             assert "rate 500Mbit" in qd and "lat 200ms" in qd, qd
+            # jobs know the emulation; Horovod's 1 ms cycle runs D times slower too
+            env = c.env()
+            assert env["HVDTB_CLUSTER_DILATION"] == "2" and env["HVDTB_CLUSTER_CPUS_PER_HOST"] == "0.5"
+            assert env["HOROVOD_CYCLE_TIME"] == os.environ.get("HOROVOD_CYCLE_TIME", "2")
             # a job's stray process is ended with the cluster, also where it left the netns
             stray = subprocess.Popen(c.cpu.wrap(1, ["sleep", "300"]))
             raise RuntimeError("boom")
