@@ -3,7 +3,7 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits_torch.py
 
 Prints per epoch: loss, test accuracy, payload bytes each rank sends per step and the compression
-ratio; writes a PNG of both accuracy curves to the path it prints.
+ratio, and for TwoBit the fraction of values it sent (from ``TwoBitCompressor.stats()``); writes a PNG of both accuracy curves to the path it prints.
 """
 
 import time
@@ -55,10 +55,15 @@ def train(label, compression, args, part):
             acc = float((model(xte).argmax(1) == yte).float().mean())
         loss = hvd.allreduce(torch.tensor(total / steps), name="epoch_loss").item()
         accs.append(acc)
+        sent = ""
+        if compression is not None:  # what the compressor did (its stats), the last step
+            st = compression.stats()
+            nbytes = sum(st["bytes_last_step"].values())
+            sent = "  sent %4.1f %%" % (100 * st["fraction_sent"])
         if rank == 0:
-            print("%s %-6s epoch %2d  loss %.4f  test acc %.4f  bytes/step/rank %7d  ratio %4.1fx"
+            print("%s %-6s epoch %2d  loss %.4f  test acc %.4f  bytes/step/rank %7d  ratio %4.1fx%s"
                   % (_digits.bar(part * args.epochs + epoch, 2 * args.epochs), label, epoch, loss, acc,
-                     nbytes, payload_bytes(model, None) / nbytes), flush=True)
+                     nbytes, payload_bytes(model, None) / nbytes, sent), flush=True)
     return accs
 
 

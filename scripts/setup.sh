@@ -29,8 +29,9 @@ HOROVOD_VERSION=0.28.1
 TORCH_VERSION=2.13.0
 TF_VERSION=2.15.1
 APT_PACKAGES=(libopenmpi-dev openmpi-bin cmake g++ make openssh-client openssh-server iproute2)
+# setuptools < 81: TensorBoard 2.15 (the stats example, its test) imports pkg_resources, gone in 81
 PY_PACKAGES=("torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" "numpy<2" "scikit-learn"
-             "pytest" "pytest-timeout" "matplotlib" "setuptools>=68" "wheel"
+             "pytest" "pytest-timeout" "matplotlib" "setuptools>=68,<81" "wheel"
              "cloudpickle" "psutil" "pyyaml" "packaging" "cffi>=1.4.0")
 
 mkdir -p "$LOG_DIR" "$CACHE"
