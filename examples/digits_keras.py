@@ -8,7 +8,8 @@ The only change for TwoBit is one argument:
     opt = hvd.DistributedOptimizer(opt, compression=TwoBitCompressor(0.5))
 
 Prints per epoch: loss (averaged over ranks), test accuracy, payload bytes each rank sends per step
-and the compression ratio; writes a PNG of both accuracy curves to the path it prints.
+and the compression ratio, and for TwoBit the fraction of values sent (``TwoBitStatsCallback``);
+writes a PNG of both accuracy curves to the path it prints.
 """
 
 import time
@@ -18,7 +19,7 @@ import tensorflow as tf
 
 import horovod.tensorflow.keras as hvd
 from horovod_twobit import wire
-from horovod_twobit.tensorflow import TwoBitCompressor
+from horovod_twobit.tensorflow import TwoBitCompressor, TwoBitStatsCallback
 
 import _digits
 
@@ -48,9 +49,13 @@ class Report(tf.keras.callbacks.Callback):
         pred = np.argmax(self.model.predict(self.xte, verbose=0), axis=1)
         acc = float(np.mean(pred == self.yte))
         self.accs.append(acc)
+        nbytes, sent = self.nbytes, ""
+        if "twobit/fraction_sent" in logs:  # TwoBitStatsCallback ran before this one
+            nbytes = sum(v for k, v in logs.items() if k.startswith("twobit/bytes_last_step/"))
+            sent = "  sent %4.1f %%" % (100 * logs["twobit/fraction_sent"])
         if hvd.rank() == 0:
-            print("%-8s epoch %2d  loss %.4f  test acc %.4f  bytes/step/rank %9d  ratio %5.1fx"
-                  % (self.label, epoch + 1, loss, acc, self.nbytes, self.ratio), flush=True)
+            print("%-8s epoch %2d  loss %.4f  test acc %.4f  bytes/step/rank %9d  ratio %5.1fx%s"
+                  % (self.label, epoch + 1, loss, acc, nbytes, self.ratio, sent), flush=True)
 
 
 def train(label, compression, args):
@@ -70,8 +75,9 @@ def train(label, compression, args):
     nbytes = payload_bytes(model, compression)
     report = Report(label, xte, yte, nbytes, payload_bytes(model, None) / nbytes)
     tf.keras.utils.set_random_seed(args.seed + rank)  # each rank shuffles its own shard
+    stats = [] if compression is None else [TwoBitStatsCallback(compression)]
     model.fit(xtr, ytr, batch_size=args.batch, epochs=args.epochs, shuffle=True, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), report])
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)] + stats + [report])
     return report.accs
 
 

@@ -14,10 +14,27 @@ The snapshot is a plain dict (see :meth:`StatsLog.snapshot`) that a logger can w
 
 import threading
 
+import numpy as np
+
 EXCHANGES = ("allgather", "scatter")
+_SENT_PER_BYTE = np.array([bin(b & 0xAA).count("1") for b in range(256)], np.int64)
 
 
-class _Step:
+def payload_counts(layout, payload, threshold):
+    """(values sent as +-level, sum of the levels, number of levels) of one rank's payload
+    (int32 words, NumPy) for a bucket of ``layout``: the codes 10 and 11 (high bit set) in its
+    packed words; the magnitudes it carries with "auto", else the numeric threshold."""
+    payload = np.ascontiguousarray(payload, dtype=np.int32).reshape(-1)
+    sent = int(_SENT_PER_BYTE[payload[layout.body:].view(np.uint8)].sum())
+    if not layout.auto:
+        return sent, float(threshold), 1
+    mags = payload[layout.head_words:layout.body] if layout.mag_words else payload[4:5]
+    return sent, float(mags.view(np.float32).astype(np.float64).sum()), mags.size
+
+
+class Step:
+    """One bucket step: its tensors, exchange, bytes handed to the collectives, a reader of its
+    payload (see :meth:`StatsLog.sent`) and its number of real values."""
     __slots__ = ("names", "exchange", "nbytes", "reader", "values")
 
     def __init__(self, names, exchange, nbytes, reader, values):
@@ -30,7 +47,7 @@ class StatsLog:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._last = {}  # bucket key -> _Step of its last launch
+        self._last = {}  # bucket key -> Step of its last launch
         self.reset()
 
     def reset(self):
@@ -45,7 +62,7 @@ class StatsLog:
         ``reader()`` -> (codes sent as +-level, sum of the levels in use, number of levels) of
         this rank's payload, evaluated only by :meth:`snapshot`; ``values``: the real values."""
         with self._lock:
-            self._last[key] = _Step(names, exchange, nbytes, reader, values)
+            self._last[key] = Step(names, exchange, nbytes, reader, values)
             self._bytes_total[exchange] += int(nbytes)
             self._steps[exchange] += 1
 
@@ -57,50 +74,55 @@ class StatsLog:
                 self._nonfinite += 1
 
     def snapshot(self, residual_norms, threshold, per_tensor=False):
-        """The statistics as a dict:
-
-        - ``bytes_last_step`` / ``bytes_total``: {exchange: bytes this rank handed to the
-          collectives}, at every bucket's last step / since the start or the last reset;
-        - ``bucket_steps``: {exchange: bucket steps since then};
-        - ``fraction_sent``: the fraction of values this rank sent as +-level at the last step;
-        - ``threshold``: the numeric threshold, or with "auto" the mean of the levels (magnitudes)
-          this rank sent at the last step;
-        - ``nonfinite_steps``: bucket steps whose result was NaN (a member held NaN or Inf);
-        - ``buckets``: {bucket key: {tensors, exchange, values, bytes_last_step, fraction_sent,
-          level_mean, residual_l2, residual_max}};
-        - ``tensors`` (``per_tensor=True``): {name: {residual_l2, residual_max}}.
-
-        ``residual_norms(names)`` -> {name: (sum of squares, max |r|)} of the current residuals.
-        """
+        """The statistics as a dict: see :func:`summarize`."""
         with self._lock:
             last = dict(self._last)
-            out = {"bytes_total": dict(self._bytes_total), "bucket_steps": dict(self._steps),
-                   "nonfinite_steps": self._nonfinite}
-        out["bytes_last_step"] = dict.fromkeys(EXCHANGES, 0)
-        buckets, sent, values, level_sum, level_count = {}, 0, 0, 0.0, 0
-        norms = residual_norms([n for s in last.values() for n in s.names])
-        for key, s in sorted(last.items()):
-            nonzero, lsum, lcount = s.reader()
-            out["bytes_last_step"][s.exchange] += s.nbytes
-            sent, values = sent + nonzero, values + s.values
-            level_sum, level_count = level_sum + lsum, level_count + lcount
-            sq = sum(norms[n][0] for n in s.names if n in norms)
-            buckets[key] = {
-                "tensors": list(s.names), "exchange": s.exchange, "values": s.values,
-                "bytes_last_step": s.nbytes, "fraction_sent": nonzero / max(s.values, 1),
-                "level_mean": lsum / lcount if lcount else float("nan"),
-                "residual_l2": sq ** 0.5,
-                "residual_max": max([norms[n][1] for n in s.names if n in norms], default=0.0)}
-        out["fraction_sent"] = sent / values if values else 0.0
-        if threshold == "auto":
-            out["threshold"] = level_sum / level_count if level_count else float("nan")
-        else:
-            out["threshold"] = float(threshold)
-        out["buckets"] = buckets
-        if per_tensor:
-            out["tensors"] = {n: {"residual_l2": q ** 0.5, "residual_max": m}
-                              for n, (q, m) in sorted(norms.items())}
-        return out
+            totals = (dict(self._bytes_total), dict(self._steps), self._nonfinite)
+        return summarize(last, *totals, residual_norms, threshold, per_tensor)
+
+
+def summarize(last, bytes_total, steps, nonfinite, residual_norms, threshold, per_tensor=False):
+    """The statistics as a dict, from each bucket's last step (``last``: {key: Step}) and the
+    running sums:
+
+    - ``bytes_last_step`` / ``bytes_total``: {exchange: bytes this rank handed to the
+      collectives}, at every bucket's last step / since the start or the last reset;
+    - ``bucket_steps``: {exchange: bucket steps since then};
+    - ``fraction_sent``: the fraction of values this rank sent as +-level at the last step;
+    - ``threshold``: the numeric threshold, or with "auto" the mean of the levels (magnitudes)
+      this rank sent at the last step;
+    - ``nonfinite_steps``: bucket steps whose result was NaN (a member held NaN or Inf);
+    - ``buckets``: {bucket key: {tensors, exchange, values, bytes_last_step, fraction_sent,
+      level_mean, residual_l2, residual_max}};
+    - ``tensors`` (``per_tensor=True``): {name: {residual_l2, residual_max}}.
+
+    ``residual_norms(names)`` -> {name: (sum of squares, max |r|)} of the current residuals."""
+    out = {"bytes_total": dict(bytes_total), "bucket_steps": dict(steps),
+           "nonfinite_steps": int(nonfinite), "bytes_last_step": dict.fromkeys(EXCHANGES, 0)}
+    buckets, sent, values, level_sum, level_count = {}, 0, 0, 0.0, 0
+    norms = residual_norms([n for s in last.values() for n in s.names])
+    for key, s in sorted(last.items()):
+        nonzero, lsum, lcount = s.reader()
+        out["bytes_last_step"][s.exchange] += s.nbytes
+        sent, values = sent + nonzero, values + s.values
+        level_sum, level_count = level_sum + lsum, level_count + lcount
+        sq = sum(norms[n][0] for n in s.names if n in norms)
+        buckets[key] = {
+            "tensors": list(s.names), "exchange": s.exchange, "values": s.values,
+            "bytes_last_step": s.nbytes, "fraction_sent": nonzero / max(s.values, 1),
+            "level_mean": lsum / lcount if lcount else float("nan"),
+            "residual_l2": sq ** 0.5,
+            "residual_max": max([norms[n][1] for n in s.names if n in norms], default=0.0)}
+    out["fraction_sent"] = sent / values if values else 0.0
+    if threshold == "auto":
+        out["threshold"] = level_sum / level_count if level_count else float("nan")
+    else:
+        out["threshold"] = float(threshold)
+    out["buckets"] = buckets
+    if per_tensor:
+        out["tensors"] = {n: {"residual_l2": q ** 0.5, "residual_max": m}
+                          for n, (q, m) in sorted(norms.items())}
+    return out
 
 
 def scalars(snapshot, prefix="twobit/"):

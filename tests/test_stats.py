@@ -17,20 +17,26 @@ from horovod_twobit.layout import Layout
 
 pytestmark = pytest.mark.slow
 STEPS, NAN_STEP, RESET_STEP = 5, 2, 3
-GROUPS = [["2.bias", "2.weight", "0.bias"], ["0.weight"]]
-CONFIGS = [(0.05, "allgather"), ("auto", "scatter"), ("auto", "allgather"), (0.05, "scatter")]
+FRAMEWORKS = {  # the groups the job's tensors travel in, and their sizes
+    "torch": ([["2.bias", "2.weight", "0.bias"], ["0.weight"]],
+              {"2.bias": 6, "2.weight": 240, "0.bias": 40, "0.weight": 480}),
+    "tf": ([["hidden/bias", "out/kernel", "out/bias"], ["hidden/kernel"]],
+           {"out/bias": 6, "out/kernel": 240, "hidden/bias": 40, "hidden/kernel": 480})}
+CONFIGS = {"torch": [(0.05, "allgather"), ("auto", "scatter"), ("auto", "allgather"),
+                     (0.05, "scatter")],
+           "tf": [(0.05, "allgather"), ("auto", "scatter")]}
 
 
-def _ranks(tmp_path_factory, index):
+def _ranks(tmp_path_factory, framework, index):
     def job():
-        out = tmp_path_factory.mktemp("stats")
-        jobs.run(2, "torch_stats.py", "--out", out, "--steps", STEPS, "--configs",
-                 *["%s:%s" % c for c in CONFIGS], timeout=300)
+        out = tmp_path_factory.mktemp("stats_" + framework)
+        jobs.run(2, framework + "_stats.py", "--out", out, "--steps", STEPS, "--configs",
+                 *["%s:%s" % c for c in CONFIGS[framework]], timeout=600)
         return out
-    return sim.load_ranks(str(jobs.shared(("torch_stats",), job) / str(index)), 2)
+    return sim.load_ranks(str(jobs.shared(("stats", framework), job) / str(index)), 2)
 
 
-def _expected(ranks, threshold, exchange):
+def _expected(ranks, threshold, exchange, GROUPS):  # noqa: N803
     """Per step and rank: {sent, values, levels: [magnitudes sent], residual norms per tensor}
     from the reference."""
     N = len(ranks)
@@ -67,10 +73,11 @@ def _expected(ranks, threshold, exchange):
     return out
 
 
-def _bytes(threshold, exchange, rank, N=2):
+def _bytes(threshold, exchange, rank, framework, N=2):
     total = {"allgather": 0, "scatter": 0}
-    for g in GROUPS:
-        numels = [{"2.bias": 6, "2.weight": 240, "0.bias": 40, "0.weight": 480}[n] for n in g]
+    groups, sizes = FRAMEWORKS[framework]
+    for g in groups:
+        numels = [sizes[n] for n in g]
         lay = Layout(numels, threshold == "auto", *wire.validate_blocks(threshold))
         ex = sw.choose(exchange, lay, N)
         if ex == "scatter":
@@ -81,13 +88,15 @@ def _bytes(threshold, exchange, rank, N=2):
     return total
 
 
-@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=["%s-%s" % c for c in CONFIGS])
-def test_stats_match_independent_counts(tmp_path_factory, index):
-    threshold, exchange = CONFIGS[index]
-    ranks = _ranks(tmp_path_factory, index)
-    want = _expected(ranks, threshold, exchange)
+@pytest.mark.parametrize("framework,index", [(f, i) for f in CONFIGS for i in range(len(CONFIGS[f]))],
+                         ids=["%s-%s-%s" % ((f,) + c) for f in CONFIGS for c in CONFIGS[f]])
+def test_stats_match_independent_counts(tmp_path_factory, framework, index):
+    threshold, exchange = CONFIGS[framework][index]
+    ranks = _ranks(tmp_path_factory, framework, index)
+    GROUPS = FRAMEWORKS[framework][0]
+    want = _expected(ranks, threshold, exchange, GROUPS)
     for rank, r in enumerate(ranks):
-        per_step = _bytes(threshold, exchange, rank)
+        per_step = _bytes(threshold, exchange, rank, framework)
         assert sum(per_step.values()) > 0
         for step in range(STEPS):
             st = json.loads(str(r["stats/%d" % step]))
@@ -111,3 +120,26 @@ def test_stats_match_independent_counts(tmp_path_factory, index):
                 assert st["threshold"] == pytest.approx(np.mean(e["levels"]), rel=1e-9)
             else:
                 assert st["threshold"] == threshold
+
+
+@pytest.mark.parametrize("index", range(len(CONFIGS["tf"])), ids=["%s-%s" % c for c in CONFIGS["tf"]])
+def test_keras_callback_puts_stats_in_logs(tmp_path_factory, index):
+    """TwoBitStatsCallback(every=1): every batch's logs and the epoch's CSV row carry the stats."""
+    threshold, exchange = CONFIGS["tf"][index]
+    for rank, r in enumerate(_ranks(tmp_path_factory, "tf", index)):
+        logs = json.loads(str(r["keras_logs"]))
+        final = json.loads(str(r["keras_stats"]))
+        assert len(logs) == 6  # 2 epochs of 3 batches
+        per_step = _bytes(threshold, exchange, rank, "tf")
+        for i, log in enumerate(logs):
+            for ex, nbytes in per_step.items():
+                assert log["twobit/bytes_last_step/" + ex] == nbytes
+                assert log["twobit/bytes_total/" + ex] == (i + 1) * nbytes
+            assert 0 < log["twobit/fraction_sent"] < 1
+        assert logs[-1]["twobit/fraction_sent"] == final["fraction_sent"]
+        header, *rows = str(r["keras_csv"]).strip().splitlines()
+        cols = header.split(",")
+        assert len(rows) == 2 and "twobit/fraction_sent" in cols and "twobit/threshold" in cols
+        last = dict(zip(cols, rows[-1].split(",")))
+        assert float(last["twobit/fraction_sent"]) == pytest.approx(final["fraction_sent"])
+        assert float(last["twobit/bytes_total/allgather"]) == final["bytes_total"]["allgather"]

@@ -11,10 +11,11 @@ go to Horovod unchanged.
 
 from .codec import auto_levels, auto_threshold, decode, encode
 from .compressor import TwoBitCompressor
+from .callbacks import TwoBitStatsCallback
 from ._routing import install, installed, uninstall
 from ..wire import PayloadMismatchError
 
 install()
 
-__all__ = ["encode", "decode", "auto_levels", "auto_threshold", "TwoBitCompressor", "install",
-           "uninstall", "installed", "PayloadMismatchError"]
+__all__ = ["encode", "decode", "auto_levels", "auto_threshold", "TwoBitCompressor",
+           "TwoBitStatsCallback", "install", "uninstall", "installed", "PayloadMismatchError"]

@@ -187,13 +187,16 @@ def run(compressor, tensors, keys, op, prescale, postscale, process_set, op_name
         ex = Exchange(compressor, tensors[0], keys[0], op, prescale, postscale, nranks)
     else:
         ex = BucketExchange(compressor, tensors, keys, op, prescale, postscale, nranks)
-    if compressor.exchange != "allgather":
-        layout = layout_of(compressor, keys, tensors)
-        if scatter_wire.choose(compressor.exchange, layout, nranks) == "scatter":
-            from . import scatter_exchange
-            return scatter_exchange.run(compressor, ex, layout, keys, process_set, op_name,
-                                        ignore_name_scope)
-    gathered = mpi_ops.allgather(ex.payload, name=op_name, process_set=process_set,
-                                 ignore_name_scope=ignore_name_scope)
-    out = ex.finish(gathered)
-    return out if len(tensors) > 1 else [out]
+    layout = layout_of(compressor, keys, tensors)
+    exchange = scatter_wire.choose(compressor.exchange, layout, nranks)
+    if exchange == "scatter":
+        from . import scatter_exchange
+        out = scatter_exchange.run(compressor, ex, layout, keys, process_set, op_name,
+                                   ignore_name_scope)
+    else:
+        gathered = mpi_ops.allgather(ex.payload, name=op_name, process_set=process_set,
+                                     ignore_name_scope=ignore_name_scope)
+        out = ex.finish(gathered)
+        out = out if len(tensors) > 1 else [out]
+    return compressor.stats_slots.record(layout, keys, exchange, nranks, process_set.rank(),
+                                         ex.payload, out)

@@ -10,6 +10,7 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from .. import layout, scatter_wire, state, wire
+from .stats import Slots, residual_norms
 from .residuals import Residuals, _Plain, rank_size  # noqa: F401 (rank_size: public here too)
 
 
@@ -113,6 +114,7 @@ class TwoBitCompressor(Compressor, tf.Module):
         # bucket, and the (rank, size) they belong to
         self.owners = Residuals(name="owner_residuals")
         self._plain.owner_of = None
+        self._plain.stats = Slots()
         self._warned = threading.Event()
         from . import _routing
         _routing.install()
@@ -166,6 +168,23 @@ class TwoBitCompressor(Compressor, tf.Module):
         with tf.init_scope():
             like = tf.zeros([numel], tf.float32)
         return self.owners.get(key, like)
+
+    @property
+    def stats_slots(self):
+        return self._plain.stats
+
+    def stats(self, reset=False, per_tensor=False):
+        """What this compressor did, as a plain dict (eager only): bytes this rank handed to the
+        collectives at every bucket's last step and in total (per exchange), the fraction of
+        values it sent at the last step, the threshold (with "auto": the mean of the levels it
+        sent), the bucket steps whose result was NaN, and per bucket its exchange, fraction sent
+        and residual norms (per tensor with ``per_tensor=True``); the keys are those of
+        :func:`horovod_twobit.stats.summarize`. Each step updates a few variables on the device
+        (no host round trip); reading fetches them. ``reset=True`` clears the running sums
+        after reading them. :class:`horovod_twobit.tensorflow.TwoBitStatsCallback` puts them in
+        Keras' logs."""
+        return self._plain.stats.snapshot(residual_norms(self.residuals), self._threshold,
+                                          per_tensor, reset)
 
     def state_dict(self):
         """This rank's residuals (NumPy copies) keyed by tensor name, with the threshold, rank and

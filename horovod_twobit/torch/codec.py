@@ -156,25 +156,6 @@ def encode_payload(layout, r, g, threshold, rule, payload):
     return t, v
 
 
-_SENT_PER_BYTE = {}  # device -> 256-entry table: codes 10 and 11 (sent) in a byte
-
-
-def payload_counts(layout, payload, threshold):
-    """(values sent as +-level, sum of the levels, number of levels) of one rank's payload, for
-    the compressor's stats: read from the payload itself (the codes' high bits; the magnitudes
-    with "auto", else the numeric threshold). One host round trip; not on the step's path."""
-    table = _SENT_PER_BYTE.get(payload.device)
-    if table is None:
-        table = _SENT_PER_BYTE[payload.device] = torch.tensor(
-            [bin(b & 0xAA).count("1") for b in range(256)], dtype=torch.int64,
-            device=payload.device)
-    sent = int(table[payload[layout.body:].view(torch.uint8).long()].sum())
-    if not layout.auto:
-        return sent, float(threshold), 1
-    mags = payload[layout.head_words:layout.body] if layout.mag_words else payload[4:5]
-    return sent, float(mags.view(torch.float32).double().sum()), mags.numel()
-
-
 def split_single(gathered, numel, nranks, name, block=None):
     """[(header, body)] per rank of an allgathered single-tensor payload, or
     PayloadMismatchError with the same message on every rank."""

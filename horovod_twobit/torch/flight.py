@@ -7,7 +7,7 @@ import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
-from .. import scatter_wire
+from .. import scatter_wire, stats
 from . import codec, progress
 
 
@@ -55,7 +55,7 @@ class Flight:
         c.stats_log.sent(scatter_wire.owner_key(bucket.names), bucket.names, self.EXCHANGE,
                          scatter_wire.rank_bytes(layout, self.nranks, process_set.rank(),
                                                  self.EXCHANGE),
-                         lambda: codec.payload_counts(layout, payload, c.threshold),
+                         lambda: stats.payload_counts(layout, payload.cpu().numpy(), c.threshold),
                          sum(layout.numels))
         self._submit(payload)
 

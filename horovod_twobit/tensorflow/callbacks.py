@@ -1,0 +1,34 @@
+"""``TwoBitStatsCallback``: a compressor's stats in Keras' ``logs``."""
+
+import tensorflow as tf
+
+from ..stats import scalars
+
+
+class TwoBitStatsCallback(tf.keras.callbacks.Callback):
+    """Adds ``compressor.stats()``, flattened to ``twobit/...`` numbers
+    (:func:`horovod_twobit.stats.scalars`), to Keras' ``logs`` at the end of every epoch, and
+    every ``every`` batches when given, so that ``TensorBoard``, ``CSVLogger`` and ``History``
+    record them. Put it before those callbacks in the list::
+
+        model.fit(..., callbacks=[TwoBitStatsCallback(compressor),
+                                  tf.keras.callbacks.CSVLogger("log.csv")])
+
+    Reading the stats fetches a few variables per bucket from the device; with ``every`` unset
+    that happens once an epoch."""
+
+    def __init__(self, compressor, every=None):
+        super().__init__()
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                                  or every < 1):
+            raise ValueError("every must be a positive number of batches or None, got %r"
+                             % (every,))
+        self.compressor, self.every = compressor, every
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every and logs is not None and (batch + 1) % self.every == 0:
+            logs.update(scalars(self.compressor.stats()))
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs.update(scalars(self.compressor.stats()))

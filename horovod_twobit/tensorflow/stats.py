@@ -1,0 +1,90 @@
+"""``TwoBitCompressor.stats()`` for TensorFlow: every exchange (eager or traced) keeps, per
+bucket, variables that the graph updates at each step: this rank's last payload, the number of
+steps and the number of steps whose result was NaN. Updating them is a copy of the payload (a
+sixteenth of the gradient's bytes) and two scalar additions on the device: no host round trip.
+Reading (:meth:`Slots.snapshot`) fetches them and summarizes them as the PyTorch binding does
+(:func:`horovod_twobit.stats.summarize`)."""
+
+import threading
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+
+from .. import scatter_wire, stats
+
+
+def _variable(init):
+    with tf.init_scope():  # as residuals are made: eagerly, whatever traces first
+        return resource_variable_ops.ResourceVariable(
+            init, trainable=False, synchronization=tf.VariableSynchronization.NONE,
+            aggregation=tf.VariableAggregation.NONE)
+
+
+class _Slot:
+    def __init__(self, layout, names, exchange, nbytes):
+        self.layout, self.names, self.exchange, self.nbytes = layout, list(names), exchange, nbytes
+        self.payload = _variable(np.zeros(layout.payload_words, np.int32))
+        self.steps = _variable(np.int64(0))
+        self.nonfinite = _variable(np.int64(0))
+        self.base = (0, 0)  # (steps, nonfinite) at the last reset
+
+
+class Slots:
+    """The stats variables of one compressor, one slot per (bucket, exchange, number of ranks)."""
+
+    def __init__(self):
+        self._slots = {}
+        self._lock = threading.Lock()
+
+    def record(self, layout, names, exchange, nranks, rank, payload, results):
+        """Adds the step's updates to the graph: ``results`` (the exchange's outputs) returned
+        after them."""
+        key = (scatter_wire.owner_key(names), exchange, nranks)
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot(
+                    layout, names, exchange, scatter_wire.rank_bytes(layout, nranks, rank, exchange))
+        # a member that held NaN or Inf on some rank is NaN everywhere: its first value tells
+        nan = [tf.math.is_nan(tf.reshape(r, [-1])[0]) for r in results if r.shape.num_elements()]
+        bad = tf.reduce_any(tf.stack(nan)) if nan else tf.constant(False)
+        updates = [slot.payload.assign(payload), slot.steps.assign_add(1),
+                   slot.nonfinite.assign_add(tf.cast(bad, tf.int64))]
+        with tf.control_dependencies(updates):
+            return [tf.identity(r) for r in results]
+
+    def snapshot(self, residual_norms, threshold, per_tensor=False, reset=False):
+        with self._lock:
+            slots = list(self._slots.values())
+        last, totals = {}, (dict.fromkeys(stats.EXCHANGES, 0), dict.fromkeys(stats.EXCHANGES, 0))
+        nonfinite = 0
+        for s in slots:
+            steps, bad = int(s.steps.numpy()), int(s.nonfinite.numpy())
+            totals[0][s.exchange] += (steps - s.base[0]) * s.nbytes
+            totals[1][s.exchange] += steps - s.base[0]
+            nonfinite += bad - s.base[1]
+            if reset:
+                s.base = (steps, bad)
+            if steps:
+                payload = s.payload.numpy()
+                last[scatter_wire.owner_key(s.names)] = stats.Step(
+                    s.names, s.exchange, s.nbytes,
+                    lambda p=payload, s=s: stats.payload_counts(s.layout, p, threshold),
+                    sum(s.layout.numels))
+        return stats.summarize(last, *totals, nonfinite, residual_norms, threshold, per_tensor)
+
+
+def residual_norms(residuals):
+    """The ``residual_norms`` function of :func:`horovod_twobit.stats.summarize` for a
+    compressor's :class:`~horovod_twobit.tensorflow.residuals.Residuals`."""
+    def norms(names):
+        out = {}
+        for n in names:
+            try:
+                r = residuals.variable(n).numpy().astype(np.float64)
+            except KeyError:  # not made yet (restored, never used)
+                continue
+            out[n] = (float((r * r).sum()), float(np.abs(r).max()) if r.size else 0.0)
+        return out
+    return norms
