@@ -396,8 +396,11 @@ def main(argv=None):
     ap.add_argument("--dilation", type=float, default=None, metavar="D",
                     help="time dilation: links at rate / D (default 1 / Q, so that a host stands "
                          "for a 1-core host; 1 without a quota)")
-    ap.add_argument("--cpu-period-us", type=int, default=None,
-                    help="CFS period of the quota (default 100000, the kernel's)")
+    ap.add_argument("--cpu-period-us", type=int, default=10000,
+                    help="CFS period of the quota (default %(default)s: a step of the small models "
+                         "lasts about 0.1 s on a dilated cluster, and a host that has used its "
+                         "quota waits up to a period; with the kernel's 100 ms the CNN's steps "
+                         "scattered by up to 50 %%)")
     ap.add_argument("--headroom", type=float, default=HEADROOM,
                     help="share of the machine's cores the default quotas add up to (default "
                          "%(default)s)")
