@@ -82,6 +82,32 @@ def emulation(args):
     return q, args.dilation or 1.0 / q
 
 
+SPIN = ("import json, sys, time\n"
+        "end, c0, w0 = time.time() + float(sys.argv[1]), time.process_time(), time.time()\n"
+        "while time.time() < end:\n    pass\n"
+        "print(json.dumps({'cpu': time.process_time() - c0, 'wall': time.time() - w0}))")
+
+
+def measure_headroom(args, shares=(1.0, 0.9, 0.8, 0.7, 0.5), seconds=6.0):
+    """Every host spins for ``seconds`` at Q = cores x h / hosts for each h: prints the CPU each
+    host got over its quota (1.0: the hosts get what they are given)."""
+    from horovod_twobit.cluster import VirtualCluster
+    cores = os.cpu_count() or 1
+    with VirtualCluster(n_hosts=args.hosts, rate=None, iface=args.iface, subnet=args.subnet,
+                        cpus_per_host=cores / args.hosts, cpu_period_us=args.cpu_period_us) as c:
+        for h in shares:
+            q = cores * h / args.hosts
+            c.set_cpus_per_host(q)
+            load = os.getloadavg()[0]
+            res = c.run_on_hosts(lambda host: [sys.executable, "-c", SPIN, seconds], timeout=120)
+            got = [json.loads(line.split("] ", 1)[1]) for line in res.output.splitlines()
+                   if "] {" in line]
+            print("headroom %.2f: %.3f cores per host; CPU got / quota per host: %s (load %.1f)"
+                  % (h, q, ", ".join("%.3f" % (g["cpu"] / g["wall"] / q) for g in got), load),
+                  flush=True)
+    return 0
+
+
 class Progress:
     """The job's output stream: everything goes to the log; rank 0's ``bench-progress:`` lines
     are also printed, and a line every ``quiet`` seconds of silence."""
@@ -417,6 +443,9 @@ def main(argv=None):
     ap.add_argument("--append", action="store_true",
                     help="merge into <out>/bench_cluster.json: rows of this run replace the same "
                          "rate/model/method, the others stay")
+    ap.add_argument("--measure-headroom", action="store_true",
+                    help="only measure: every host spins at quotas adding up to 1.0 ... 0.5 of "
+                         "the cores and the CPU each got is printed against its quota")
     # worker mode (started by the driver in every host)
     ap.add_argument("--worker", choices=["horovod", "ddp"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -428,6 +457,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.measure_headroom:
+        return measure_headroom(args)
     return driver(args)
 
 
