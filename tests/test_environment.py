@@ -109,3 +109,120 @@ def test_pip_settings_for_the_image(tmp_path):
                                  "trusted-host = mirror.example", "default-timeout = 180"]
     assert links == ["/opt/wheels"] and left_out == ["file:///opt/pypi/simple"]
     assert ps.translate({})[0] == "[global]\n" and ps.translate({}, cert=True)[0].count("cert =") == 1
+
+
+# ------------------------------------------------------------------ installing into an existing environment
+
+def _pip_env():
+    """pip without this machine's configuration (indexes, find-links, constraints): only what a test gives it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    return env
+
+
+def _horovod_range():
+    from packaging.requirements import Requirement
+    text = open(os.path.join(REPO, "pyproject.toml")).read()
+    deps = re.search(r"^dependencies = (\[.*?\])", text, re.M | re.S).group(1)
+    reqs = [Requirement(d) for d in re.findall(r'"([^"]+)"', deps)]
+    return [r for r in reqs if r.name == "horovod"][0].specifier
+
+
+@pytest.fixture(scope="module")
+def wheel_dir(tmp_path_factory):
+    """This package's wheel, built from a copy of the sources (the checkout stays as it is)."""
+    import shutil
+    import sys
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(REPO, name), src / name)
+    shutil.copytree(os.path.join(REPO, "horovod_twobit"), src / "horovod_twobit",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                          "--no-index", "-w", str(tmp / "dist"), str(src)], env=_pip_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return tmp / "dist"
+
+
+def _venv(path, packages):
+    """A throwaway environment that sees the given packages of the test's environment (symbolic
+    links in a folder on its path), as an environment that already has them installed."""
+    import sys
+    import sysconfig
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+    py = str(path / "bin" / "python")
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stack, there = sysconfig.get_paths()["purelib"], path / "there"
+    there.mkdir()
+    for name in os.listdir(stack):
+        if packages(name):
+            os.symlink(os.path.join(stack, name), there / name)
+    with open(os.path.join(site, "there.pth"), "w") as f:
+        f.write(str(there) + "\n")
+    return py, site, str(there)
+
+
+def _fake_dist(site, name, version):
+    d = os.path.join(site, "%s-%s.dist-info" % (name, version))
+    os.makedirs(d)
+    with open(os.path.join(d, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: %s\nVersion: %s\n" % (name, version))
+    open(os.path.join(d, "RECORD"), "w").close()
+
+
+def test_setup_builds_a_horovod_in_the_declared_range():
+    """The one Horovod that can be built here (scripts/setup.sh's), and the one installed, are in range."""
+    import importlib.metadata
+    setup = open(os.path.join(REPO, "scripts", "setup.sh")).read()
+    built = re.search(r"^HOROVOD_VERSION=(\S+)$", setup, re.M).group(1)
+    spec = _horovod_range()
+    assert built in spec and importlib.metadata.version("horovod") in spec, (built, spec)
+
+
+def test_pip_install_keeps_the_environments_horovod(tmp_path, wheel_dir):
+    """`pip install horovod-twobit` into an environment that has Horovod (this stack's: torch,
+    TensorFlow, Horovod 0.28.1) installs this package alone: Horovod, NumPy and the rest stay."""
+    import json
+    # everything but this package (installed here in editable mode)
+    py, site, stack = _venv(tmp_path / "env", lambda n: not n.lower().startswith(
+        ("horovod_twobit", "__editable__", "horovod-twobit")))
+    report = tmp_path / "report.json"
+    out = subprocess.run([py, "-m", "pip", "install", "--no-index", "--find-links", str(wheel_dir),
+                          "--report", str(report), "horovod-twobit"], env=_pip_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    installed = [i["metadata"]["name"] for i in json.loads(report.read_text())["install"]]
+    assert installed == ["horovod-twobit"], installed
+    assert "Uninstalling" not in out.stdout, out.stdout
+    assert sorted(n for n in os.listdir(site) if "horovod" in n.lower()) == sorted(
+        n for n in os.listdir(site) if n.startswith("horovod_twobit")), os.listdir(site)
+    where = subprocess.run([py, "-c", "import importlib.metadata as m, horovod_twobit; "
+                            "d = m.distribution('horovod'); print(d.version, d.locate_file(''), horovod_twobit.__file__)"],
+                           capture_output=True, text=True, check=True, cwd=str(tmp_path)).stdout.split()
+    assert where[0] == "0.28.1" and where[1].startswith(stack) and where[2].startswith(site), where
+
+
+@pytest.mark.parametrize("horovod, kept", [("0.28.0", True), ("0.28.1", True),
+                                           ("0.27.0", False), ("0.29.0", False)])
+def test_pip_resolves_against_the_horovod_range(tmp_path, wheel_dir, horovod, kept):
+    """pip's resolution alone (metadata, nothing imported): a Horovod in the declared range is kept
+    as it is; one outside makes pip look for another (here, with no index, it finds none and stops)."""
+    import json
+    py, site, _ = _venv(tmp_path / "env", lambda n: n == "pip")
+    _fake_dist(site, "horovod", horovod)
+    _fake_dist(site, "numpy", "1.26.4")
+    assert (horovod in _horovod_range()) == kept
+    report = tmp_path / "report.json"
+    out = subprocess.run([py, "-m", "pip", "install", "--dry-run", "--no-index", "--find-links",
+                          str(wheel_dir), "--report", str(report), "horovod-twobit"],
+                         env=_pip_env(), capture_output=True, text=True, timeout=300)
+    if kept:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        installed = [i["metadata"]["name"] for i in json.loads(report.read_text())["install"]]
+        assert installed == ["horovod-twobit"], installed
+    else:
+        assert out.returncode != 0 and "No matching distribution found for horovod" in out.stderr, out.stderr
