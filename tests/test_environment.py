@@ -38,6 +38,139 @@ def test_ci_runs_the_readme_test_command():
     assert _commands(open(os.path.join(REPO, ".ci", "run")).read())[-1] == test_cmd
 
 
+
+# ------------------------------------------------------------------ commands in the README and docs/
+
+def _pages():
+    import glob
+    return [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+
+
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+_PYTHON = re.compile(r"^(\S*/)?python3?$")
+# what an inline `code span` in prose starts with when it is a command
+_INLINE = re.compile(r"(sudo )?(\S*/)?(python3?|horovodrun|bash) |(examples|scripts|docker)/\S+\.(py|sh)( |$)")
+
+
+def _page_commands():
+    """(page, language, text) of every fenced block, and (page, "inline", command) of every command
+    given inline in prose (a code span that starts with python, horovodrun, bash or a script)."""
+    out = []
+    for path in _pages():
+        text = open(path).read()
+        name = os.path.relpath(path, REPO)
+        out += [(name, m.group(1) or "sh", m.group(2)) for m in _FENCE.finditer(text)]
+        for m in re.finditer(r"`([^`]+)`", _FENCE.sub("", text)):
+            cmd = " ".join(m.group(1).split())
+            if _INLINE.match(cmd):
+                out.append((name, "inline", cmd))
+    return out
+
+
+def _shell_lines(text):
+    import shlex
+    for line in text.replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split, lexer.commenters = True, "#"
+        words = list(lexer)
+        if words:
+            yield words
+
+
+def _invocations(words):
+    """(program, arguments) of each program the words run: a Python script or module, horovodrun,
+    a bash script. A script's arguments end at `--`, at a shell operator or at the next program."""
+    stop = lambda w: w == "--" or _PYTHON.match(w) or w in ("horovodrun", "|", "||", "&&", ";", ">", "<")
+    i = 0
+    while i < len(words):
+        w, target = words[i], None
+        if _PYTHON.match(w) and i + 2 < len(words) and words[i + 1] == "-m":
+            target, i = ("-m", words[i + 2]), i + 3
+        elif _PYTHON.match(w) and i + 1 < len(words) and words[i + 1].endswith(".py"):
+            target, i = ("py", words[i + 1]), i + 2
+        elif i == 0 and re.match(r"examples/\S+\.py$", w):  # prose: `examples/x.py --flag`
+            target, i = ("py", w), i + 1
+        elif w.endswith("horovodrun"):
+            target, i = ("horovodrun", "horovodrun"), i + 1
+        elif w == "bash" and i + 1 < len(words) and words[i + 1].endswith(".sh"):
+            target, i = ("sh", words[i + 1]), i + 2
+        else:
+            i += 1
+            continue
+        j = i
+        while j < len(words) and not stop(words[j]):
+            j += 1
+        yield target, words[i:j]
+        i = j
+
+
+@pytest.mark.slow
+def test_commands_in_readme_and_docs_parse_and_run():
+    """Every command the README and docs/*.md give: shell blocks parse (bash -n), Python blocks
+    compile; every script or module they run exists, answers --help, and knows every --option the
+    page passes it (horovodrun's too); every bash script they run parses. Placeholders outside the
+    repository (train.py) are left alone."""
+    import importlib.util
+    import sys
+    helps, checked = {}, 0
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
+
+    def help_text(argv):
+        if argv not in helps:
+            out = subprocess.run(list(argv) + ["--help"], cwd=REPO, env=env, capture_output=True,
+                                 text=True, timeout=300)
+            assert out.returncode == 0, (argv, out.stdout[-2000:], out.stderr[-2000:])
+            helps[argv] = out.stdout
+        return helps[argv]
+
+    for page, lang, text in _page_commands():
+        where = "%s: %s" % (page, text.strip().splitlines()[0] if text.strip() else text)
+        if lang == "python":
+            compile(text, where, "exec")
+            continue
+        if lang in ("sh", "bash"):
+            out = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+            assert out.returncode == 0, (where, out.stderr)
+        elif lang != "inline":
+            continue
+        for words in _shell_lines(text):
+            for (kind, target), args in _invocations(words):
+                flags = {a.split("=")[0] for a in args if a.startswith("--") and len(a) > 2}
+                if kind == "horovodrun":
+                    argv = (os.path.join(os.path.dirname(sys.executable), "horovodrun"),)
+                elif kind == "-m":
+                    if not target.startswith(("examples.", "horovod_twobit")):
+                        continue
+                    assert importlib.util.find_spec(target) is not None or os.path.exists(
+                        os.path.join(REPO, *target.split(".")) + ".py"), (where, target)
+                    argv = (sys.executable, "-m", target)
+                else:
+                    if not target.startswith(("examples/", "scripts/", "docker/", "horovod_twobit/")):
+                        continue  # a placeholder such as train.py
+                    assert os.path.exists(os.path.join(REPO, target)), (where, target)
+                    if kind == "sh":
+                        subprocess.run(["bash", "-n", os.path.join(REPO, target)], check=True)
+                        continue
+                    argv = (sys.executable, target)
+                # subcommands (`cluster run --hosts 4`): the words before the first option
+                sub = tuple(a for a in args[:next((k for k, a in enumerate(args) if a.startswith("-")),
+                                                  len(args))] if re.match(r"^[a-z]+$", a))
+                usage = help_text(argv + sub if kind != "horovodrun" else argv)
+                for flag in flags:
+                    assert re.search(r"(?<![\w-])%s(?![\w-])" % re.escape(flag), usage), (where, flag)
+                checked += 1
+    assert checked >= 20, checked
+
+
+def test_readme_picture_is_what_its_script_draws(tmp_path):
+    import sys
+    svg = tmp_path / "exchange.svg"
+    subprocess.run([sys.executable, os.path.join(REPO, "examples", "exchange_figure.py"), "--out",
+                    str(svg)], check=True, timeout=300)
+    assert svg.read_text() == open(os.path.join(REPO, "docs", "exchange.svg")).read()
+    assert "](docs/exchange.svg)" in open(os.path.join(REPO, "README.md")).read()
+
+
 def _instructions(path):
     """Dockerfile instructions, continuation lines joined, comments dropped."""
     text = open(path).read().replace("\\\n", " ")
