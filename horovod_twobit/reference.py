@@ -101,3 +101,32 @@ class Workers:
             return [self._allgather(n, [g[i] for g in grads], op, prescale, postscale)
                     for i, n in enumerate(names)]
         return reference_scatter.exchange(self, layout, names, grads, op, prescale, postscale)
+
+    def plain(self, names, grads, op="average", prescale=1.0, postscale=1.0):
+        """One step of a bucket sent uncompressed (the fallback): each member's g + r summed
+        over the ranks in rank order, the op applied, and every rank's residual of that member
+        set to zero. A member whose gradient held NaN or Inf on any rank gets NaN and keeps its
+        residuals. (Horovod's ring sums in its own order: equal to this for 2 ranks.)"""
+        N, out = self.nranks, []
+        for i, name in enumerate(names):
+            shape = np.shape(grads[0][i])
+            xs = []
+            for rank in range(N):
+                g = np.asarray(grads[rank][i], dtype=np.float32).reshape(-1)
+                res = self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
+                xs.append(g + res)
+            if not all(np.isfinite(x).all() for x in xs):
+                out.append(np.full(shape, np.nan, dtype=np.float32))
+                continue
+            total = np.zeros_like(xs[0])
+            for x in xs:
+                total += x
+            scale = np.float32(float(prescale) * float(postscale))
+            if scale != 1:
+                total *= scale
+            if op == "average":
+                total /= np.float32(N)
+            for rank in range(N):
+                self.residuals[rank][name][:] = 0
+            out.append(total.reshape(shape))
+        return out

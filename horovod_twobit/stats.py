@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-EXCHANGES = ("allgather", "scatter")
+EXCHANGES = ("allgather", "scatter", "plain")  # plain: the fallback, uncompressed
 _SENT_PER_BYTE = np.array([bin(b & 0xAA).count("1") for b in range(256)], np.int64)
 
 

@@ -74,7 +74,7 @@ def _expected(ranks, threshold, exchange, GROUPS):  # noqa: N803
 
 
 def _bytes(threshold, exchange, rank, framework, N=2):
-    total = {"allgather": 0, "scatter": 0}
+    total = {"allgather": 0, "scatter": 0, "plain": 0}
     groups, sizes = FRAMEWORKS[framework]
     for g in groups:
         numels = [sizes[n] for n in g]

@@ -23,6 +23,7 @@ from .. import scatter_wire
 from ..layout import Layout
 from . import codec
 from .flight import Flight
+from .plain_flight import PlainFlight
 from .scatter_flight import ScatterFlight
 
 _split = codec.split_single  # the single-tensor payload parser (tests use it by this name)
@@ -100,7 +101,11 @@ class Bucket:
         prev, self._flight = self._flight, None
         if prev is not None:
             prev.wait()  # its buffers are about to be reused; it was launched, so this ends
-        cls = ScatterFlight if self.exchange(process_set.size())[0] == "scatter" else Flight
+        c = self.compressor
+        if c.fallback and c.plain(self, process_set, tensors[0].device):
+            cls = PlainFlight
+        else:
+            cls = ScatterFlight if self.exchange(process_set.size())[0] == "scatter" else Flight
         self._flight = cls(self, tensors, op, prescale, postscale, process_set, in_place)
         return self._flight
 

@@ -1,5 +1,6 @@
 """``TwoBitCompressor``: MXNet's 2-bit compression with error feedback, as a Horovod compressor."""
 
+import logging
 import threading
 import warnings
 
@@ -9,9 +10,11 @@ from horovod.torch.compression import Compressor
 
 from .. import layout, scatter_wire, state, wire
 from ..registry import ResidualRegistry
+from ..fallback import compress_pays, validate_fallback
 from ..stats import StatsLog
 
 _MARK = "_horovod_twobit"
+_log = logging.getLogger("horovod_twobit")
 
 
 class _Pending:
@@ -108,10 +111,17 @@ class TwoBitCompressor(Compressor):
             threshold (lossless), or re-encoded in 2 bits with its own residual for "auto"; about
             (N - 1) / N * (2 + b) / 8 bytes per value, flat in N. ``"auto"``: per bucket,
             whichever sends fewer bytes for its size and N. Every rank must use the same.
+        fallback: ``None`` (default): always compress. ``"auto"``: at the first step (and
+            after :meth:`reset`) the ranks time collectives of known size and a codec pass;
+            with rank 0's figures every rank decides, per bucket, whether compression pays
+            (:mod:`horovod_twobit.fallback`), and a bucket where it does not goes through
+            Horovod's own allreduce as g + r, exactly, its residual then zero. ``"always"``:
+            every bucket that way. Decisions are logged once (logger ``horovod_twobit``) and
+            kept in :attr:`decisions` and the stats (exchange ``"plain"``).
     """
 
     def __init__(self, threshold=0.5, *, min_numel=0, rule=None, block=None, blocks=None,
-                 bucket_bytes=None, exchange="allgather"):
+                 bucket_bytes=None, exchange="allgather", fallback=None):
         self.threshold = wire.validate_threshold(threshold)
         self.block, self.blocks = wire.validate_blocks(self.threshold, block, blocks)
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
@@ -123,6 +133,9 @@ class TwoBitCompressor(Compressor):
             numel=lambda r: r.numel(), to_state=_to_state, from_state=_from_state)
         self.bucket_bytes = layout.validate_bucket_bytes(bucket_bytes)
         self.exchange = scatter_wire.validate_exchange(exchange)
+        self.fallback = validate_fallback(fallback)
+        self.decisions = {}  # (bucket key, number of ranks) -> "compressed" / "plain"
+        self._links = {}  # (process set id, size) -> the measured Link
         # the residuals this rank keeps as owner of scatter chunks ("auto" only), keyed by
         # bucket, and the (rank, size) they belong to
         self.owners = ResidualRegistry(
@@ -211,6 +224,33 @@ class TwoBitCompressor(Compressor):
                           "horovod_twobit.torch.install() if you uninstalled the router.")
         return tensor
 
+    def plain(self, bucket, process_set, device):
+        """Whether ``bucket`` goes uncompressed with this process set (``fallback``): always,
+        or where the measured link and codec say compression would not pay. Decided once per
+        bucket and number of ranks, logged once, and kept in :attr:`decisions`."""
+        n = process_set.size()
+        key = (scatter_wire.owner_key(bucket.names), n)
+        got = self.decisions.get(key)
+        if got is None:
+            if self.fallback == "always":
+                plain = True
+            else:
+                link = self.link(process_set, device)
+                plain = not compress_pays(bucket.layout, n, bucket.exchange(n)[0], link)
+            got = self.decisions[key] = "plain" if plain else "compressed"
+            _log.info("horovod-twobit: bucket %s (%d values, %d ranks): %s", key[0],
+                      sum(bucket.layout.numels), n, got)
+        return got == "plain"
+
+    def link(self, process_set, device):
+        """The measured :class:`horovod_twobit.fallback.Link` of this process set (rank 0's
+        figures, broadcast), measured on first use."""
+        key = (process_set.process_set_id, process_set.size())
+        if key not in self._links:
+            from .link import measure
+            self._links[key] = measure(process_set, device, self.threshold)
+        return self._links[key]
+
     def owner_residual(self, key, numel, device, rank, size):
         """This rank's residual as owner of a scatter chunk of bucket ``key`` (float32, ``numel``
         values). Owners' residuals belong to a rank and a number of ranks (their chunks move
@@ -276,10 +316,13 @@ class TwoBitCompressor(Compressor):
             self._owner_of = _rank_size()
 
     def reset(self):
-        """Forgets every residual (they restart from zero)."""
+        """Forgets every residual (they restart from zero), and the fallback's link
+        measurements and decisions (made again at the next step)."""
         self.residuals.reset()
         self.owners.reset()
         self.agreed.clear()
+        self.decisions.clear()
+        self._links.clear()
 
 
 def _rank_size():

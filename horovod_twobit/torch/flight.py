@@ -38,26 +38,30 @@ class Flight:
 
     def __init__(self, bucket, tensors, op, prescale, postscale, process_set, in_place):
         layout, c = bucket.layout, bucket.compressor
-        check_call(op, bucket.names[0])
-        self.bucket, self.tensors, self.in_place = bucket, tensors, in_place
-        self.op, self.scale, self.nranks = op, float(prescale) * float(postscale), process_set.size()
-        self.r = bucket.residual(tensors)
-        if layout.single:
-            self.g = codec.flat(tensors[0])
-        else:
-            self.g = bucket._g
-            torch._foreach_copy_(bucket.views(tensors), [t.detach() for t in tensors])
+        self._take(bucket, tensors, op, prescale, postscale, process_set, in_place)
         payload = torch.empty(layout.payload_words, dtype=torch.int32, device=self.g.device)
         self.t, self.v = codec.encode_payload(layout, self.r, self.g, c.threshold, c.auto_rule,
                                               payload)
-        self.process_set = process_set
-        self.results = None
         c.stats_log.sent(scatter_wire.owner_key(bucket.names), bucket.names, self.EXCHANGE,
                          scatter_wire.rank_bytes(layout, self.nranks, process_set.rank(),
                                                  self.EXCHANGE),
                          lambda: stats.payload_counts(layout, payload.cpu().numpy(), c.threshold),
                          sum(layout.numels))
         self._submit(payload)
+
+    def _take(self, bucket, tensors, op, prescale, postscale, process_set, in_place):
+        """What every flight does first: the checks, the bucket's residual and its flat
+        gradient (the tensor itself when alone, else the bucket's buffer, filled)."""
+        check_call(op, bucket.names[0])
+        self.bucket, self.tensors, self.in_place = bucket, tensors, in_place
+        self.op, self.scale, self.nranks = op, float(prescale) * float(postscale), process_set.size()
+        self.process_set, self.results = process_set, None
+        self.r = bucket.residual(tensors)
+        if bucket.layout.single:
+            self.g = codec.flat(tensors[0])
+        else:
+            self.g = bucket._g
+            torch._foreach_copy_(bucket.views(tensors), [t.detach() for t in tensors])
 
     def _submit(self, payload):
         self.handle = mpi_ops.allgather_async(payload, name=self.bucket.names[0],

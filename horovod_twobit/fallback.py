@@ -1,0 +1,61 @@
+"""When compression does not pay: the decision behind ``TwoBitCompressor(..., fallback="auto")``.
+
+A bucket is compressed when the model below says its exchange takes less time than Horovod's
+ring allreduce of the same values, else it is sent uncompressed as g + r (see the bindings'
+plain flights): with error feedback the switch is exact, so the fallback never loses accuracy,
+only the bytes it would have saved.
+
+The model (an alpha-beta form): every Horovod collective costs a fixed latency (its negotiation
+and cycle, measured by a one-value allreduce) plus its bytes at the link's rate. A ring allreduce
+of ``n`` float32 values between N ranks sends 2 (N - 1) / N * 4n bytes per rank in one
+collective; the allgather exchange sends the rank's payload to the N - 1 others (one
+collective), the scatter exchange its chunks and reduced chunks (two collectives), by the formats'
+own counts (:func:`horovod_twobit.scatter_wire.rank_bytes`); the codec costs one encode and N
+decode-sums of n values at the measured codec rate. The link and the codec rate are measured once
+per number of ranks by timed collectives of known size, and rank 0's figures are used by every
+rank, so every rank decides alike.
+"""
+
+FALLBACKS = (None, "auto", "always")
+
+
+def validate_fallback(fallback):
+    if fallback not in FALLBACKS:
+        raise ValueError("fallback must be None (always compress), \"auto\" (send a bucket "
+                         "uncompressed where compression would not pay) or \"always\" (never "
+                         "compress), got %r" % (fallback,))
+    return fallback
+
+
+class Link:
+    """Measured figures: ``rate`` (bytes/s a rank sends), ``latency`` (seconds per collective),
+    ``codec`` (values/s of one encode or one decode-sum)."""
+
+    def __init__(self, rate, latency, codec):
+        self.rate, self.latency, self.codec = float(rate), float(latency), float(codec)
+
+    def __repr__(self):
+        return "Link(%.3g bytes/s, %.3g s/collective, codec %.3g values/s)" % (
+            self.rate, self.latency, self.codec)
+
+
+def times(layout, nranks, exchange, link):
+    """(seconds of the compressed exchange, seconds of a plain ring allreduce) for one step of a
+    bucket of ``layout`` with ``exchange`` ("allgather" or "scatter", as decided)."""
+    from .scatter_wire import rank_bytes
+    N, n = int(nranks), sum(layout.numels)
+    if N < 2:
+        return 0.0, 0.0
+    plain = 2 * (N - 1) / N * 4 * n / link.rate + link.latency
+    sent = rank_bytes(layout, N, 0, exchange)  # handed to the collectives
+    if exchange == "scatter":  # each chunk goes to its owner, each reduced chunk to all others
+        wire_bytes, collectives = (N - 1) / N * sent, 2
+    else:
+        wire_bytes, collectives = (N - 1) * sent, 1
+    comp = wire_bytes / link.rate + collectives * link.latency + (1 + N) * n / link.codec
+    return comp, plain
+
+
+def compress_pays(layout, nranks, exchange, link):
+    comp, plain = times(layout, nranks, exchange, link)
+    return comp < plain

@@ -1,0 +1,57 @@
+"""The fallback's measurements (:mod:`horovod_twobit.fallback`): the link, by timed allreduces of
+known size through Horovod, and the codec rate, by one encode and finish of known size on this
+device; rank 0's figures are broadcast, so every rank decides alike."""
+
+import time
+
+import torch
+
+import horovod.torch.mpi_ops as mpi_ops
+
+from ..fallback import Link
+from ..layout import Layout
+
+_BIG = 1 << 20  # values of the timed allreduce (4 MB) and of the timed codec pass
+
+
+def _allreduce_seconds(values, process_set, device, tag, repeat=3):
+    x = torch.zeros(values, dtype=torch.float32, device=device)
+    best = float("inf")
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        mpi_ops.synchronize(mpi_ops.allreduce_async_(
+            x, name="twobit.link.%s.%d" % (tag, i), op=mpi_ops.Sum, process_set=process_set))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _codec_seconds(device, threshold):
+    from . import codec
+    layout = Layout([_BIG], threshold == "auto")
+    g = torch.randn(_BIG, device=device)
+    r = torch.zeros(_BIG, device=device)
+    payload = torch.empty(layout.payload_words, dtype=torch.int32, device=device)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        t, v = codec.encode_payload(layout, r, g, 0.5 if threshold == "auto" else threshold,
+                                    "lsq", payload)
+        codec.finish_payload(layout, payload, 1, ["twobit.link"], r, g.clone(), t, v, 1, 1.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best / 2  # one encode and one decode-sum, each about half
+
+
+def measure(process_set, device, threshold):
+    """A :class:`Link` of ``process_set`` from rank 0's measurements."""
+    N = process_set.size()
+    small = _allreduce_seconds(1, process_set, device, "small")
+    big = _allreduce_seconds(_BIG, process_set, device, "big")
+    moved = 2 * (N - 1) / max(N, 1) * 4 * _BIG  # bytes each rank sends in a ring allreduce
+    latency = small  # one collective of next to no bytes
+    rate = moved / max(big - small, 1e-9)
+    codec = _BIG / _codec_seconds(device, threshold)
+    figures = torch.tensor([rate, latency, codec], dtype=torch.float64)
+    figures = mpi_ops.broadcast(figures, 0, name="twobit.link.figures", process_set=process_set)
+    return Link(*figures.tolist())

@@ -1,0 +1,87 @@
+"""The fallback of TwoBitCompressor (fallback="always" / "auto") in real 2-rank jobs, against
+the NumPy reference bit for bit: a bucket sent uncompressed carries g + r exactly and leaves a
+zero residual; switching between the compressed and the plain path at any step loses nothing; a
+NaN step keeps the residuals; "auto" measures the link and every rank decides alike."""
+
+import numpy as np
+import pytest
+
+import jobs
+import sim
+from horovod_twobit import reference as ref
+from horovod_twobit.fallback import validate_fallback
+
+pytestmark = pytest.mark.slow
+SWITCH = ["compressed", "compressed", "plain", "plain", "compressed", "plain"]
+CONFIGS = ["0.05:allgather:always", "auto:scatter:switch", "0.05:allgather:switch",
+           "0.05:allgather:auto"]
+
+
+def _ranks(tmp_path_factory, index):
+    def job():
+        out = tmp_path_factory.mktemp("fallback")
+        res = jobs.run(2, "torch_fallback.py", "--out", out, "--configs", *CONFIGS, timeout=300)
+        return res, out
+    res, out = jobs.shared(("fallback",), job)
+    return res, sim.load_ranks(str(out / str(index)), 2)
+
+
+@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=CONFIGS)
+def test_fallback_matches_reference(tmp_path_factory, index):
+    res, ranks = _ranks(tmp_path_factory, index)
+    threshold, exchange, mode = CONFIGS[index].split(":")
+    w = ref.Workers(2, threshold if threshold == "auto" else float(threshold), exchange=exchange)
+    groups = [g.split(",") for g in ranks[0]["groups"].tolist()]
+    plain_steps = 0
+    for step in range(len(SWITCH)):
+        decisions = ranks[0]["decisions/%d" % step].tolist()
+        assert all(r["decisions/%d" % step].tolist() == decisions for r in ranks)
+        if mode == "always":
+            assert decisions == ["plain", "plain"]
+        elif mode == "switch":
+            assert decisions == [SWITCH[step]] * 2
+        for g, d in zip(groups, decisions):
+            local = [[r["local/%d/%s" % (step, n)] for n in g] for r in ranks]
+            want = w.plain(g, local) if d == "plain" else w.bucket(g, local)
+            plain_steps += d == "plain"
+            for n, x in zip(g, want):
+                for rank, r in enumerate(ranks):
+                    np.testing.assert_array_equal(r["agg/%d/%s" % (step, n)], x,
+                                                  err_msg="step %d %s rank %d" % (step, n, rank))
+                    np.testing.assert_array_equal(r["res/%d/%s" % (step, n)],
+                                                  w.residuals[rank][n].reshape(-1))
+                    if d == "plain" and np.isfinite(x).all():
+                        assert not r["res/%d/%s" % (step, n)].any()
+        for r in ranks:
+            want_ex = ["plain" if d == "plain" else exchange for d in decisions]
+            assert r["exchanges/%d" % step].tolist() == want_ex
+    if mode != "auto":
+        assert plain_steps > 0
+    for n in ranks[0]:
+        if n.startswith("w/"):
+            np.testing.assert_array_equal(ranks[1][n], ranks[0][n])
+            assert np.isfinite(ranks[0][n]).all()
+    if mode == "auto":
+        assert "Link(" in str(ranks[0]["link"]) and "bytes/s" in str(ranks[0]["link"])
+        assert res.output.count("horovod-twobit: bucket") >= 4, res  # logged once per bucket
+
+
+def test_fallback_argument_is_checked():
+    for ok in (None, "auto", "always"):
+        assert validate_fallback(ok) == ok
+    with pytest.raises(ValueError, match="fallback must be None"):
+        validate_fallback("yes")
+
+
+def test_model_decides_by_bytes_and_codec():
+    from horovod_twobit.fallback import Link, compress_pays, times
+    from horovod_twobit.layout import Layout
+    lay = Layout([1 << 20])
+    slow = Link(rate=12.5e6, latency=1e-3, codec=1e9)  # 100 Mbit/s, a fast codec
+    fast = Link(rate=50e9, latency=1e-3, codec=1e8)  # 400 Gbit/s, a slow codec
+    assert compress_pays(lay, 8, "allgather", slow) and compress_pays(lay, 8, "scatter", slow)
+    assert not compress_pays(lay, 8, "allgather", fast)
+    comp, plain = times(lay, 2, "allgather", slow)
+    # plain: 4 MB at 12.5 MB/s and one collective; compressed: about a sixteenth of the bytes
+    assert plain == pytest.approx(4 * (1 << 20) / 12.5e6 + 1e-3)
+    assert comp < plain / 10

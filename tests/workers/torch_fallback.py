@@ -1,0 +1,85 @@
+"""The fallback (TwoBitCompressor(..., fallback=...)) in a real job. hvd.DistributedOptimizer
+with buckets (bucket_bytes=2048: a bucket of three tensors and a tensor alone), a NaN in the last
+rank's 0.bias gradient at step 2. Per configuration (--configs THRESHOLD:EXCHANGE:MODE):
+MODE "always" sends every bucket uncompressed; "switch" sets the decisions by hand, step by step
+(compressed, compressed, plain, plain, compressed, plain): both paths and the switches between
+them; "auto" measures the link and decides. Saves local and aggregated gradients, residuals after
+each step, the decisions, the stats' exchanges and the final weights to OUT/<index>/rank<r>.npz."""
+
+import argparse
+import json
+import logging
+
+import numpy as np
+import torch
+
+import horovod.torch as hvd
+from horovod_twobit.torch import TwoBitCompressor
+from configs import run_each
+
+SWITCH = ["compressed", "compressed", "plain", "plain", "compressed", "plain"]
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--configs", nargs="+", required=True)
+args = p.parse_args()
+hvd.init()
+rank = hvd.rank()
+torch.set_num_threads(1)
+logging.basicConfig(level=logging.INFO, format="rank %d %%(message)s" % rank)
+
+
+def run(spec):
+    threshold, exchange, mode = spec.split(":")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 6))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    c = TwoBitCompressor(threshold if threshold == "auto" else float(threshold),
+                         bucket_bytes=2048, exchange=exchange,
+                         fallback="always" if mode == "always" else "auto")
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=c)
+    names = [n for n, _ in model.named_parameters()]
+    local, step = {}, 0
+
+    def hook(g, n):
+        if n == "0.bias" and step == 2 and rank == hvd.size() - 1:
+            g = g.clone()
+            g[5] = float("nan")
+        local[n] = g.clone()
+        return g
+
+    for n, prm in model.named_parameters():
+        prm.register_hook(lambda g, n=n: hook(g, n))
+    groups = [["2.bias", "2.weight", "0.bias"], ["0.weight"]]
+    keys = ["2.bias (+2)", "0.weight"]
+    rec = {}
+    for step in range(len(SWITCH)):
+        if mode == "switch":
+            for k in keys:
+                c.decisions[(k, hvd.size())] = SWITCH[step]
+        rng = np.random.default_rng(1000 * rank + step)
+        x = torch.from_numpy(rng.standard_normal((16, 12)).astype(np.float32))
+        y = torch.from_numpy(rng.standard_normal((16, 6)).astype(np.float32))
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().mul(3.0).backward()
+        opt.synchronize()
+        for n, prm in model.named_parameters():
+            rec["local/%d/%s" % (step, n)] = local[n].numpy().copy()
+            rec["agg/%d/%s" % (step, n)] = prm.grad.numpy().copy()
+        for k, r in c.state_dict()["residuals"].items():
+            rec["res/%d/%s" % (step, k)] = np.asarray(r).reshape(-1).copy()
+        rec["decisions/%d" % step] = np.array([c.decisions[(k, hvd.size())] for k in keys])
+        st = c.stats()
+        rec["exchanges/%d" % step] = np.array([st["buckets"][k]["exchange"] for k in keys])
+        with opt.skip_synchronize():
+            if all(bool(torch.isfinite(prm.grad).all()) for prm in model.parameters()):
+                opt.step()
+    for n, prm in model.named_parameters():
+        rec["w/" + n] = prm.detach().numpy().copy()
+    rec["groups"] = np.array([",".join(g) for g in groups])
+    rec["link"] = np.array(json.dumps([repr(v) for v in c._links.values()]))
+    return rec
+
+
+run_each(args.out, args.configs, run, rank)
+print("rank %d done" % rank, flush=True)
