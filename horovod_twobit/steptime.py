@@ -1,0 +1,686 @@
+"""A step-time model for data-parallel training with Horovod, per gradient exchange method.
+
+    from horovod_twobit import steptime
+    prof = steptime.load_profile("cpu")
+    sizes = steptime.sizes_from(25.6e6)                 # or a list of sizes, or a torch.nn.Module
+    p = steptime.predict(sizes, "scatter", nranks=64, rate="25gbit", compute_s=0.104, profile=prof)
+    p.step_s, p.parts
+
+Methods (:data:`METHODS`): ``none`` (Horovod's ring allreduce of float32), ``fp16``
+(``hvd.Compression.fp16``), ``twobit`` / ``auto`` (``TwoBitCompressor`` with a numeric threshold /
+``"auto"``, allgather exchange), ``scatter`` / ``scatter_auto`` (the same with
+``exchange="scatter"``), ``powersgd`` (PowerSGD of rank r, a reference point: no such method in
+this project).
+
+What one step is made of, on one host (the ranks are alike):
+
+* **compute**: the forward pass (``forward_fraction`` of ``compute_s``), then backward; gradients
+  become ready in the reverse order of the parameters, at a pace proportional to their sizes.
+* **encode** on the training thread, when a TwoBit bucket's last gradient is ready (it delays the
+  rest of backward); fp16's cast likewise.
+* **exchange**, on Horovod's background thread, overlapping backward: a collective starts at a
+  cycle (``cycle_s``, HOROVOD_CYCLE_TIME) after its input is ready, once the previous one is done;
+  allreduces and allgathers that are ready together are fused up to ``fusion_bytes``
+  (HOROVOD_FUSION_THRESHOLD); alltoalls are not fused. Each collective costs a negotiation
+  (2 ceil(log2 N) messages), its messages (alpha each: the link's latency plus the profile's
+  software latency per message) and its bytes at the link's rate (beta: ``rate`` per host, less
+  TCP/IP framing), by the project's own formats (:mod:`horovod_twobit.scatter_wire`, the allgather
+  payload of :mod:`horovod_twobit.layout`); the ring allreduce adds its reduction (per value, for
+  float32 and float16 sums) and the fusion buffer's copies. The scatter exchange's owner
+  reduction sits between its alltoall and its allgather.
+* **decode** (the decode-sum of N payloads and the residual update) on the training thread, bucket
+  by bucket as ``synchronize`` reaches them, overlapping the collectives still running.
+* the optimizer's update of every value.
+
+The step is the end of that critical path. On a profile whose host runs everything on one core
+(``serial``: the CPU profiles of this project's emulation), the step is at least the host's total
+CPU work as well: compute, codec, reductions and copies, the kernel's TCP work per byte sent and
+received, and the optimizer.
+
+Codec costs come from a device profile (:func:`load_profile`): JSON written by :func:`calibrate`
+(this machine's measured rates, ``python -m horovod_twobit.advise calibrate``) or shipped under
+``horovod_twobit/profiles/`` (GPU entries are memory-bandwidth bounds, labelled so, with their
+source). Pure Python; importing this module imports neither torch nor Horovod.
+"""
+
+import bisect
+import json
+import math
+import os
+import re
+
+from . import layout as _layout
+from . import scatter_wire as _sw
+from . import wire as _wire
+
+METHODS = ("none", "fp16", "twobit", "auto", "scatter", "scatter_auto", "powersgd")
+LABELS = {"none": "Horovod, no compression (ring allreduce)", "fp16": "Horovod, Compression.fp16",
+          "twobit": "TwoBit, allgather", "auto": 'TwoBit "auto", allgather',
+          "scatter": "TwoBit, scatter", "scatter_auto": 'TwoBit "auto", scatter',
+          "powersgd": "PowerSGD rank r (reference)"}
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+# TCP payload per byte on an Ethernet link: MSS 1448 (timestamps) in a 1514-byte frame
+TCP_EFFICIENCY = 1448.0 / 1514.0
+CODEC_KEYS = ("encode", "encode_auto", "finish", "finish_auto", "scatter_encode",
+              "scatter_encode_auto", "owner", "owner_auto", "scatter_finish", "scatter_finish_auto")
+
+
+# ------------------------------------------------------------------------------------ inputs
+def parse_rate(rate):
+    """Bits per second from 1e9, "25gbit", "100mbit", "10G", "400 Gbit/s"."""
+    if isinstance(rate, (int, float)):
+        return float(rate)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9+-]+)?)\s*([kmgt]?)(?:bit|b|bps)?(?:/s)?\s*",
+                     str(rate).lower())
+    if not m:
+        raise ValueError("a link rate like 25gbit, 100mbit or 1e9 (bits per second), got %r" % (rate,))
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+
+
+def parse_count(text):
+    """25.6M -> 25600000; 340m, 1.5G, 4096."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9+-]+)?)\s*([kmgb]?)\s*", str(text).lower())
+    if not m:
+        raise ValueError("a count like 25.6M or 340000000, got %r" % (text,))
+    return int(round(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}[m.group(2)]))
+
+
+def parse_seconds(text):
+    """Seconds from 0.12, "120ms", "50us", "2s"."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9+-]+)?)\s*(s|ms|us|ns)?\s*", str(text).lower())
+    if not m:
+        raise ValueError("a time like 120ms, 50us or 0.12, got %r" % (text,))
+    return float(m.group(1)) * {None: 1, "s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}[m.group(2)]
+
+
+def sizes_from(model, tensor_values=1 << 20):
+    """Gradient tensor sizes in registration order from a torch.nn.Module (its trainable
+    parameters), a list of sizes, or a parameter count (cut into tensors of ``tensor_values``)."""
+    if hasattr(model, "parameters"):
+        return [int(p.numel()) for p in model.parameters() if p.requires_grad]
+    if isinstance(model, (list, tuple)):
+        return [int(n) for n in model]
+    total = parse_count(model)
+    if total <= 0:
+        raise ValueError("a model needs at least one value")
+    full, rest = divmod(total, tensor_values)
+    return [tensor_values] * full + ([rest] if rest else [])
+
+
+# ---------------------------------------------------------------------------------- profiles
+def load_profile(name_or_path):
+    """A profile dict: a path to JSON, or the name of one in horovod_twobit/profiles/ ("cpu",
+    "h100-bound", ...)."""
+    if isinstance(name_or_path, dict):
+        return name_or_path
+    path = name_or_path
+    if not os.path.exists(path):
+        path = os.path.join(PROFILE_DIR, name_or_path + ".json")
+    if not os.path.exists(path):
+        raise ValueError("no profile %r (a JSON file, or one of %s)" % (
+            name_or_path, ", ".join(profile_names())))
+    with open(path) as f:
+        prof = json.load(f)
+    missing = [k for k in CODEC_KEYS if k not in prof.get("codec", {})]
+    if missing:
+        raise ValueError("profile %s lacks codec entries %s" % (path, missing))
+    return prof
+
+
+def profile_names():
+    try:
+        return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
+    except OSError:
+        return []
+
+
+def codec_s(prof, key, values, nranks):
+    """Seconds of one codec call on a bucket of ``values`` values among ``nranks`` ranks:
+    ``c0 + c1 N + values (a + b N)`` with the profile's coefficients."""
+    c0, c1, a, b = prof["codec"][key]
+    return max(0.0, c0 + c1 * nranks + values * (a + b * nranks))
+
+
+def bandwidth_bound_profile(name, bytes_per_s, source, call_s=3e-5, message_s=1e-5):
+    """A profile whose codec runs at a device's memory bandwidth (``bytes_per_s``): a lower bound
+    on its time, not a measurement. Bytes per value: encode reads g and r and writes 2 bits
+    (8.25); "auto" reads them once more for its levels (16.25); the finish reads g, r and N
+    payloads of 2 bits and writes the result and r (16 + N / 4); the scatter owner reads N chunks
+    of 2 bits per value of its chunk and writes the counts; the reductions read two operands and
+    write one. ``call_s``: a few kernel launches per call (an assumption, not measured)."""
+    s = 1.0 / bytes_per_s
+    return {
+        "name": name, "kind": "bound", "source": source, "serial": False,
+        "note": "memory-bandwidth bound: the codec's bytes per value at %.3g TB/s; not a "
+                "measurement" % (bytes_per_s / 1e12),
+        "codec": {
+            "encode": [call_s, 0, 8.25 * s, 0], "encode_auto": [2 * call_s, 0, 16.25 * s, 0],
+            "finish": [call_s, 0, 16 * s, 0.25 * s], "finish_auto": [call_s, 0, 16 * s, 0.25 * s],
+            "scatter_encode": [call_s, 0, 8.5 * s, 0], "scatter_encode_auto": [2 * call_s, 0, 16.5 * s, 0],
+            "owner": [call_s, 0, 0.5 * s, 0], "owner_auto": [2 * call_s, 0, 8.5 * s, 0],
+            "scatter_finish": [call_s, 0, 17 * s, 0], "scatter_finish_auto": [call_s, 0, 16.5 * s, 0]},
+        "sum_fp32_s": 12 * s, "sum_fp16_s": 6 * s, "cast_fp16_s": 6 * s, "copy_s_per_byte": 2 * s,
+        "optimizer_s": 16 * s, "powersgd_s": 4 * s, "kernel_s_per_byte": 0.0,
+        "message_s": message_s,
+    }
+
+
+# ------------------------------------------------------------------------------------ bytes
+def _scatter_words(lay, nranks):
+    """(sum over owners of phase-1 chunk words, sum over owners of phase-2 words) for a layout:
+    :class:`scatter_wire.Chunks`' counts in O(N log segments)."""
+    N, W = nranks, lay.words
+    fw = _wire.flag_words(lay.members)
+    starts = [c * W // N for c in range(N + 1)]
+    auto = lay.auto
+    if auto:
+        ends, acc = [], 0
+        for s, w in zip(lay.seg_starts, lay.seg_words):
+            ends.append(s // 16 + w)
+    sent = red = 0
+    bits = _sw.count_bits(N)
+    for c in range(N):
+        wc = starts[c + 1] - starts[c]
+        m = 0
+        if auto and wc:
+            first = bisect.bisect_right(ends, starts[c])
+            last = bisect.bisect_right(ends, starts[c + 1] - 1)
+            m = last - first + 1
+        sent += _sw.HEADER_WORDS + fw + m + wc
+        red += _sw.HEADER_WORDS + (m + wc if auto else bits * _sw.plane_words(wc))
+    return sent, red
+
+
+class _Unit:
+    """One thing the exchange sends: a tensor (allreduce) or a TwoBit bucket."""
+
+    __slots__ = ("members", "values", "kind", "bytes", "bytes2", "encode", "owner", "decode",
+                 "ready", "done", "dtype_bytes")
+
+    def __init__(self, members, values, kind):
+        self.members, self.values, self.kind = members, values, kind
+        self.bytes = self.bytes2 = self.encode = self.owner = self.decode = 0.0
+        self.ready = self.done = 0.0
+        self.dtype_bytes = 4
+
+
+_CACHE = {}
+
+
+def _units(sizes, method, nranks, prof, bucket_bytes):
+    """The units of a step in the order their gradients become ready (fresh objects; their
+    sizes, bytes and codec costs are computed once per model, method, N and profile)."""
+    key = (tuple(sizes), method, nranks, bucket_bytes,
+           json.dumps([prof["codec"], prof["cast_fp16_s"]], sort_keys=True))
+    if key not in _CACHE:
+        if len(_CACHE) > 4096:
+            _CACHE.clear()
+        _CACHE[key] = [(u.members, u.values, u.kind, u.bytes, u.bytes2, u.encode, u.owner,
+                        u.decode, u.dtype_bytes)
+                       for u in _make_units(sizes, method, nranks, prof, bucket_bytes)]
+    units = []
+    for members, values, kind, b1, b2, enc, own, dec, db in _CACHE[key]:
+        u = _Unit(members, values, kind)
+        u.bytes, u.bytes2, u.encode, u.owner, u.decode, u.dtype_bytes = b1, b2, enc, own, dec, db
+        units.append(u)
+    return units
+
+
+def _make_units(sizes, method, nranks, prof, bucket_bytes):
+    N = nranks
+    if method in ("none", "fp16"):
+        units = []
+        for i in reversed(range(len(sizes))):
+            if sizes[i]:
+                u = _Unit([i], sizes[i], "allreduce")
+                u.dtype_bytes = 2 if method == "fp16" else 4
+                if method == "fp16":
+                    u.encode = u.decode = sizes[i] * prof["cast_fp16_s"]
+                units.append(u)
+        return units
+    auto = method in ("auto", "scatter_auto")
+    threshold = "auto" if auto else 0.5
+    block, blocks = _wire.validate_blocks(threshold)
+    entries = [(i, int(sizes[i]), 4 * int(sizes[i]), "") for i in reversed(range(len(sizes)))]
+    buckets = _layout.assign_buckets(entries, _layout.validate_bucket_bytes(bucket_bytes))
+    in_bucket = {i: k for k, b in enumerate(buckets) for i in b}
+    seen, groups = set(), []
+    for i, n, _, _ in entries:  # ready order: a bucket when its last member is ready
+        if not n:
+            continue
+        k = in_bucket.get(i)
+        if k is None:
+            groups.append([i])
+        elif all(j == i or j in seen for j in buckets[k]):
+            groups.append(buckets[k])
+        seen.add(i)
+    units = []
+    scatter = method.startswith("scatter")
+    suffix = "_auto" if auto else ""
+    for g in groups:
+        lay = _layout.Layout([sizes[i] for i in g], auto, block, blocks)
+        u = _Unit(g, lay.values, "scatter" if scatter else "allgather")
+        if scatter:
+            sent, red = _scatter_words(lay, N)
+            u.bytes = 4.0 * sent * (N - 1) / N      # one rank's share of the alltoall
+            u.bytes2 = 4.0 * red * (N - 1) / N      # and of the allgather of the owners' sums
+            u.encode = codec_s(prof, "scatter_encode" + suffix, lay.values, N)
+            u.owner = codec_s(prof, "owner" + suffix, lay.values, N)
+            u.decode = codec_s(prof, "scatter_finish" + suffix, lay.values, N)
+        else:
+            u.bytes = 4.0 * lay.payload_words        # sent to each of the N - 1 others
+            u.encode = codec_s(prof, "encode" + suffix, lay.values, N)
+            u.decode = codec_s(prof, "finish" + suffix, lay.values, N)
+        units.append(u)
+    return units
+
+
+def exchange_bytes(sizes, method, nranks, bucket_bytes=None, powersgd_rank=4):
+    """Bytes one rank sends per step (its share of every collective) for ``method``."""
+    prof = bandwidth_bound_profile("bytes", 1e12, "")
+    N = nranks
+    if method == "powersgd":
+        return sum(_powersgd_bytes(n, powersgd_rank) for n in sizes) * 2 * (N - 1) / N
+    total = 0.0
+    for u in _units(sizes, method, N, prof, bucket_bytes):
+        if u.kind == "allreduce":
+            total += 2.0 * (N - 1) / N * u.values * u.dtype_bytes
+        elif u.kind == "allgather":
+            total += (N - 1) * u.bytes
+        else:
+            total += u.bytes + u.bytes2
+    return total
+
+
+def _powersgd_bytes(n, r):
+    """float32 bytes PowerSGD allreduces for a tensor of n values taken as a square matrix
+    (P and Q: (rows + cols) r values); small or 1-D tensors go uncompressed."""
+    side = math.isqrt(n)
+    if n < 4096 or side * side < n // 2:
+        return 4 * n
+    return 4 * (side + (n + side - 1) // side) * r
+
+
+# ---------------------------------------------------------------------------------- the model
+class Prediction:
+    """``step_s`` and its parts (seconds, one host)."""
+
+    def __init__(self, method, step_s, parts):
+        self.method, self.step_s, self.parts = method, step_s, parts
+
+    def __repr__(self):
+        return "Prediction(%s, %.4f s, %s)" % (self.method, self.step_s, {
+            k: round(v, 4) if isinstance(v, float) else v for k, v in self.parts.items()})
+
+
+def _collective_s(kind, nranks, nbytes, values, alpha, beta, prof, dtype_bytes=4, fused=1):
+    link_latency = alpha - prof["message_s"]
+    """Seconds of one collective: messages x alpha + bytes x beta (+ reduction and copies)."""
+    N = nranks
+    if N < 2:
+        return 0.0
+    if kind == "allreduce":
+        s = 2 * (N - 1) * alpha + 2.0 * (N - 1) / N * nbytes * beta
+        s += (N - 1) / N * values * prof["sum_fp16_s" if dtype_bytes == 2 else "sum_fp32_s"]
+        if fused > 1:  # into the fusion buffer and back
+            s += 2 * nbytes * prof["copy_s_per_byte"]
+        return s
+    if kind == "allgather":  # nbytes: one rank's payload (sum of fused ones); ring
+        return (N - 1) * alpha + (N - 1) * nbytes * beta + N * nbytes * prof["copy_s_per_byte"]
+    if kind == "alltoall":
+        # nbytes: what this rank sends to the others. Gloo posts the N - 1 sends and receives at
+        # once: one latency, and the software cost of every message; twice (the splits first)
+        return 2 * (link_latency + (N - 1) * prof["message_s"]) + nbytes * beta
+    if kind == "ring_allgather_share":  # nbytes: this rank's share already
+        return (N - 1) * alpha + nbytes * beta
+    raise ValueError(kind)
+
+
+def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cycle_s=1e-3,
+            fusion_bytes=64 << 20, bucket_bytes=None, forward_fraction=1.0 / 3,
+            powersgd_rank=4):
+    """Predicted step time of ``method`` (see :data:`METHODS`) on ``nranks`` hosts with links of
+    ``rate`` (bits/s or "25gbit") and ``latency_s``, for a model of gradient ``sizes`` whose
+    forward and backward take ``compute_s`` on one host without communication."""
+    if method not in METHODS:
+        raise ValueError("method must be one of %s, got %r" % (", ".join(METHODS), method))
+    prof = load_profile(profile)
+    N = int(nranks)
+    sizes = [int(n) for n in sizes]
+    total = float(sum(sizes))
+    rate_bps = parse_rate(rate)
+    alpha = float(latency_s) + prof["message_s"]
+    beta = 8.0 / (rate_bps * TCP_EFFICIENCY)
+    negotiation = 2 * math.ceil(math.log2(N)) * alpha if N > 1 else 0.0
+    fwd = compute_s * forward_fraction
+    per_value = compute_s * (1 - forward_fraction) / max(total, 1.0)
+    opt = total * prof["optimizer_s"]
+    if method == "powersgd":
+        return _predict_powersgd(sizes, N, alpha, beta, negotiation, fwd, compute_s, opt, prof,
+                                 powersgd_rank, rate_bps)
+    units = _units(sizes, method, N, prof, bucket_bytes)
+    # training thread: backward, with each unit's encode when its last gradient is ready
+    t, done = fwd, set()
+    pos = {i: k for k, i in enumerate(reversed(range(len(sizes))))}
+    order = sorted(units, key=lambda u: max(pos[i] for i in u.members))
+    for u in order:
+        for i in sorted(u.members, key=pos.get):
+            if i not in done:
+                t += sizes[i] * per_value
+                done.add(i)
+        t += u.encode
+        u.ready = t
+    backward_end = t + sum(sizes[i] for i in range(len(sizes)) if i not in done) * per_value
+    # background thread: cycles, fusion, one collective at a time
+    free, wire_s, cpu_coll = 0.0, 0.0, 0.0
+    pending = [(u.ready, k, u, 1) for k, u in enumerate(order)]
+    while pending:
+        pending.sort(key=lambda x: (x[0], x[1]))
+        ready0 = pending[0][0]
+        start = max(free, ready0 + cycle_s / 2) if ready0 >= free else free
+        kind = _phase_kind(pending[0][2], pending[0][3])
+        batch, nbytes, nvalues = [], 0.0, 0
+        for item in pending:
+            r, _, u, phase = item
+            if r > start or _phase_kind(u, phase) != kind:
+                continue
+            b = _phase_bytes(u, phase)
+            if batch and (kind == "alltoall" or nbytes + b > fusion_bytes):
+                break
+            batch.append(item)
+            nbytes += b
+            nvalues += u.values
+        for item in batch:
+            pending.remove(item)
+        if kind == "allreduce":
+            dur = _collective_s("allreduce", N, nbytes, nvalues, alpha, beta, prof,
+                                batch[0][2].dtype_bytes, len(batch))
+            cpu_coll += dur - (2 * (N - 1) * alpha + 2.0 * (N - 1) / N * nbytes * beta)
+        elif kind == "allgather":
+            dur = _collective_s("allgather", N, nbytes, nvalues, alpha, beta, prof)
+        elif kind == "alltoall":
+            dur = _collective_s("alltoall", N, nbytes, nvalues, alpha, beta, prof)
+        else:
+            dur = _collective_s("ring_allgather_share", N, nbytes, nvalues, alpha, beta, prof)
+        end = start + negotiation + dur
+        wire_s += negotiation + dur
+        free = end
+        for _, k, u, phase in batch:
+            if kind == "alltoall":
+                # phase 2 is submitted by the training thread (horovod_twobit.torch.progress has
+                # no thread of its own: its waits advance the flights), so not before backward
+                # ends; the owner reduces its chunk there, then the allgather of the sums
+                pending.append((max(end, backward_end) + u.owner, k, u, 2))
+            else:
+                u.done = end
+    # training thread: synchronize, unit by unit, decoding each when its collective is done
+    t = backward_end
+    for u in order:
+        t = max(t, u.done) + u.decode
+    step = t + opt
+    codec = sum(u.encode + u.decode + u.owner for u in units)
+    sent = exchange_bytes(sizes, method, N, bucket_bytes)
+    cpu = compute_s + codec + cpu_coll + opt + 2 * sent * prof["kernel_s_per_byte"]
+    bound = "path"
+    if prof.get("serial") and cpu > step:
+        step, bound = cpu, "cpu"
+    return Prediction(method, step, {
+        "compute": compute_s, "codec": codec, "exchange": wire_s, "optimizer": opt,
+        "bytes_sent": sent, "cpu": cpu, "bound": bound, "collectives": len(units)})
+
+
+def _phase_kind(u, phase):
+    if u.kind == "scatter":
+        return "alltoall" if phase == 1 else "scatter_allgather"
+    return u.kind
+
+
+def _phase_bytes(u, phase):
+    if u.kind == "allreduce":
+        return u.values * u.dtype_bytes
+    return u.bytes2 if phase == 2 else u.bytes
+
+
+def _predict_powersgd(sizes, N, alpha, beta, negotiation, fwd, compute_s, opt, prof, r, rate_bps):
+    """PowerSGD rank r as DDP's hook runs it with one bucket: after backward, P = M Q and its
+    allreduce, Q = M^T P and its allreduce, M ~ P Q^T and the error feedback; 1-D and small
+    tensors allreduced uncompressed alongside."""
+    comp = [n for n in sizes if _powersgd_bytes(n, r) < 4 * n]
+    plain = sum(n for n in sizes if _powersgd_bytes(n, r) == 4 * n)
+    pq = sum(_powersgd_bytes(n, r) for n in comp) / 2.0
+    codec = sum(comp) * r * 3 * prof["powersgd_s"] + sum(comp) * 3 * prof["optimizer_s"] / 2
+    wire_s = 0.0
+    for nbytes, values in ((pq + 4 * plain, pq / 4 + plain), (pq, pq / 4)):
+        wire_s += negotiation + _collective_s("allreduce", N, nbytes, values, alpha, beta, prof,
+                                              4, 2)
+    step = compute_s + codec + wire_s + opt
+    sent = exchange_bytes(sizes, "powersgd", N, powersgd_rank=r)
+    cpu = compute_s + codec + opt + 2 * sent * prof["kernel_s_per_byte"]
+    bound = "path"
+    if prof.get("serial") and cpu > step:
+        step, bound = cpu, "cpu"
+    return Prediction("powersgd", step, {"compute": compute_s, "codec": codec, "exchange": wire_s,
+                                         "optimizer": opt, "bytes_sent": sent, "cpu": cpu,
+                                         "bound": bound, "collectives": 2})
+
+
+def predict_all(sizes, nranks, rate, compute_s, profile, methods=METHODS, **kw):
+    """{method: Prediction}."""
+    return {m: predict(sizes, m, nranks, rate, compute_s, profile, **kw) for m in methods}
+
+
+def break_even_rate(sizes, method, nranks, compute_s, profile, lo=1e7, hi=1e13, **kw):
+    """The link rate (bits/s) below which ``method`` is faster than no compression (None if it
+    is faster at every rate from ``lo`` to ``hi``, 0.0 if at none). Bisection in log(rate)."""
+    def gain(rate):
+        p = predict(sizes, method, nranks, rate, compute_s, profile, **kw).step_s
+        q = predict(sizes, "none", nranks, rate, compute_s, profile, **kw).step_s
+        return q - p
+    if gain(lo) <= 0:
+        return 0.0
+    if gain(hi) > 0:
+        return None
+    a, b = math.log(lo), math.log(hi)
+    for _ in range(30):
+        m = (a + b) / 2
+        if gain(math.exp(m)) > 0:
+            a = m
+        else:
+            b = m
+    return math.exp((a + b) / 2)
+
+
+# ------------------------------------------------------------------------------- calibration
+def calibrate(path=None, sizes=(1 << 16, 1 << 20), ranks=(2, 8), threads=1, compiled=True,
+              reps=5, name="cpu"):
+    """Measures this machine's codec rates with the project's own codec functions (PyTorch,
+    ``threads`` threads, the compiled path unless ``compiled=False``; the ones
+    ``horovod_twobit.benchmarks.codec`` times, plus the "auto" and scatter ones) and the costs the
+    model takes per value (sums, copies, casts, the optimizer, the kernel's TCP work per byte, the
+    software latency of a message). Each codec call is fitted as ``c0 + c1 N + n (a + b N)`` from
+    the sizes and rank counts timed. Returns the profile and writes it to ``path`` (JSON)."""
+    import platform
+    import torch
+    from .torch import kernels
+    torch.set_num_threads(threads)
+    old = kernels.COMPILE_MIN_NUMEL
+    kernels.COMPILE_MIN_NUMEL = 0 if compiled else 1 << 62
+    try:
+        points = {k: [] for k in CODEC_KEYS}
+        for n in sizes:
+            for N in ranks:
+                for key, secs in _time_codec(int(n), int(N), reps).items():
+                    points[key].append((int(n), int(N), secs))
+        codec = {k: _fit(v) for k, v in points.items()}
+        per = _time_per_value(1 << 22, reps)
+    finally:
+        kernels.COMPILE_MIN_NUMEL = old
+    prof = {"name": name, "kind": "measured", "serial": True,
+            "source": "python -m horovod_twobit.advise calibrate on %s (%s, %d thread(s), %s "
+                      "codec, torch %s)" % (platform.node() or "?", _cpu_name(), threads,
+                                           "compiled" if compiled else "eager", torch.__version__),
+            "note": "one host = one core doing compute, codec and the exchange's CPU work",
+            "codec": codec, "points": points}
+    prof.update(per)
+    prof.update(_time_network())
+    if path:
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(prof, f, indent=1, sort_keys=True)
+            f.write("\n")
+    return prof
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "?")
+    except OSError:
+        return "?"
+
+
+def _median_time(fn, reps):
+    import statistics
+    import time
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _time_codec(n, N, reps):
+    """Seconds of each codec call on one tensor of n values among N ranks (the other ranks'
+    payloads are copies of this one's)."""
+    import torch
+    from .torch import codec, scatter_codec
+    out = {}
+    for auto in (False, True):
+        sfx = "_auto" if auto else ""
+        thr = "auto" if auto else 0.5
+        lay = _layout.Layout([n], auto)
+        g = torch.randn(n) * 0.3
+        r = torch.zeros(n)
+        payload = torch.empty(lay.payload_words, dtype=torch.int32)
+        enc = lambda: codec.encode_payload(lay, r, g, thr, "lsq", payload)
+        out["encode" + sfx] = _median_time(enc, reps)
+        t, v = enc()
+        gathered = payload.repeat(N)
+        work = g.clone()
+        out["finish" + sfx] = _median_time(
+            lambda: codec.finish_payload(lay, gathered, N, ["x"], r, work, t, v, N, 1.0), reps)
+        chunks = _sw.Chunks(lay, N)
+        send, splits = scatter_codec.chunk_payloads(chunks, payload, thr)
+        out["scatter_encode" + sfx] = out["encode" + sfx] + _median_time(
+            lambda: scatter_codec.chunk_payloads(chunks, payload, thr), reps)
+        offs = [0]
+        for s in splits.tolist():
+            offs.append(offs[-1] + s)
+        reduced, bads = [], []
+        for c in range(N):
+            mine = send[offs[c]:offs[c + 1]]
+            received = mine.repeat(N)
+            res = torch.zeros(chunks.values(c)) if auto else None
+            fn = lambda: scatter_codec.owner_reduce(chunks, received, [int(splits[c])] * N, ["x"],
+                                                    c, thr, "lsq", res)
+            if c == 0:
+                out["owner" + sfx] = _median_time(fn, reps)
+            p, bad = fn()
+            reduced.append(p)
+        gathered2 = torch.cat(reduced)
+        out["scatter_finish" + sfx] = _median_time(
+            lambda: scatter_codec.finish_reduced(chunks, gathered2, ["x"], r, work, t, v,
+                                                 [False], N, 1.0), reps)
+    return out
+
+
+def _fit(points):
+    """Least-squares (c0, c1, a, b) of seconds = c0 + c1 N + n (a + b N), each >= 0."""
+    import numpy as np
+    A = np.array([[1.0, N, n, n * N] for n, N, _ in points])
+    y = np.array([s for _, _, s in points])
+    keep = list(range(4))
+    while True:
+        coef = np.zeros(4)
+        sol, *_ = np.linalg.lstsq(A[:, keep], y, rcond=None)
+        coef[keep] = sol
+        neg = [k for k in keep if coef[k] < 0]
+        if not neg:
+            return [float(c) for c in coef]
+        keep.remove(min(neg, key=lambda k: coef[k]))
+
+
+def _time_per_value(n, reps):
+    """Per-value seconds of what the exchange and the optimizer do besides the codec. The float16
+    sum is timed with NumPy's float16 add, which converts each value in software as Gloo's
+    ``gloo::float16`` sum does (a proxy, not Gloo itself)."""
+    import numpy as np
+    import torch
+    a, b = torch.randn(n), torch.randn(n)
+    o = torch.empty(n)
+    h = np.random.rand(n // 4).astype(np.float16)
+    h2, ho = h.copy(), h.copy()
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = torch.optim.SGD([p], lr=0.1)
+    half = torch.empty(n, dtype=torch.float16)
+    d = torch.empty(n)
+    m, q = torch.randn(2048, 2048), torch.randn(2048, 4)
+    return {
+        "sum_fp32_s": _median_time(lambda: torch.add(a, b, out=o), reps) / n,
+        "sum_fp16_s": _median_time(lambda: np.add(h, h2, out=ho), reps) / (n // 4),
+        "cast_fp16_s": _median_time(lambda: half.copy_(a), reps) / n,
+        "copy_s_per_byte": _median_time(lambda: d.copy_(a), reps) / (4 * n),
+        "optimizer_s": _median_time(opt.step, reps) / n,
+        "powersgd_s": _median_time(lambda: m @ q, reps) / (2048 * 2048 * 4),
+    }
+
+
+def _time_network(nbytes=64 << 20, rounds=2000):
+    """The kernel's CPU seconds per byte a host sends and receives over TCP (both ends of a
+    loopback connection in this process, so each byte is sent once and received once), and the
+    software latency of a small message (half a round trip between two threads)."""
+    import socket
+    import threading
+    import time
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    cli = socket.create_connection(srv.getsockname())
+    con, _ = srv.accept()
+    buf = bytearray(1 << 20)
+    recv = bytearray(1 << 20)
+
+    def sink(total):
+        view = memoryview(recv)
+        while total > 0:
+            total -= con.recv_into(view)
+    th = threading.Thread(target=sink, args=(nbytes,))
+    c0 = time.process_time()
+    th.start()
+    for _ in range(nbytes // len(buf)):
+        cli.sendall(buf)
+    th.join()
+    cpu = time.process_time() - c0
+
+    def echo():
+        for _ in range(rounds):
+            con.sendall(con.recv(1))
+    th = threading.Thread(target=echo)
+    th.start()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        cli.sendall(b"x")
+        cli.recv(1)
+    rtt = (time.perf_counter() - t0) / rounds
+    th.join()
+    for s in (cli, con, srv):
+        s.close()
+    return {"kernel_s_per_byte": cpu / nbytes, "message_s": rtt / 2}
