@@ -178,9 +178,7 @@ def _scatter_words(lay, nranks):
     starts = [c * W // N for c in range(N + 1)]
     auto = lay.auto
     if auto:
-        ends, acc = [], 0
-        for s, w in zip(lay.seg_starts, lay.seg_words):
-            ends.append(s // 16 + w)
+        ends = [s // 16 + w for s, w in zip(lay.seg_starts, lay.seg_words)]
     sent = red = 0
     bits = _sw.count_bits(N)
     for c in range(N):
@@ -190,6 +188,9 @@ def _scatter_words(lay, nranks):
             first = bisect.bisect_right(ends, starts[c])
             last = bisect.bisect_right(ends, starts[c + 1] - 1)
             m = last - first + 1
+        elif auto:  # an empty chunk strictly inside a segment still carries its magnitude
+            k = bisect.bisect_right(ends, starts[c])
+            m = int(k < len(ends) and (ends[k - 1] if k else 0) < starts[c])
         sent += _sw.HEADER_WORDS + fw + m + wc
         red += _sw.HEADER_WORDS + (m + wc if auto else bits * _sw.plane_words(wc))
     return sent, red

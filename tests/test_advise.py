@@ -1,0 +1,109 @@
+"""python -m horovod_twobit.advise: predictions, JSON, plot, --model, and validation rows."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from horovod_twobit import advise, steptime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(args, capsys):
+    assert advise.main(args) == 0
+    return capsys.readouterr().out
+
+
+def test_json(capsys):
+    out = json.loads(run(["--params", "25.6M", "--step-ms", "100", "--workers", "64", "--rate",
+                          "10gbit", "--profile", "a100-bound", "--json"], capsys))
+    m = out["methods"]
+    assert set(m) == set(steptime.METHODS)
+    assert m["none"]["speedup"] == pytest.approx(1.0)
+    for k, v in m.items():
+        assert v["step_s"] > 0.1
+        assert v["speedup"] == pytest.approx(m["none"]["step_s"] / v["step_s"])
+    assert m["scatter"]["bytes_sent"] < m["twobit"]["bytes_sent"] / 10
+    assert out["profile"]["kind"] == "bound"
+
+
+def test_table_and_break_even(capsys):
+    out = run(["--params", "25.6M", "--step-ms", "120", "--workers", "64", "--rate", "25gbit",
+               "--profile", "h100-bound", "--methods", "twobit,scatter", "--counts", "8,1024"],
+              capsys)
+    assert "| TwoBit, scatter |" in out and "Break-even" in out
+    rows = [l for l in out.splitlines() if l.startswith("| 8 |") or l.startswith("| 1024 |")
+            or l.startswith("| 64 |")]
+    assert len(rows) == 3  # the --workers count joins the table
+    assert "(a bound" in out
+
+
+def test_model_option(tmp_path, capsys, monkeypatch):
+    (tmp_path / "tiny_model.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(100, 50), "
+        "torch.nn.Linear(50, 10))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = json.loads(run(["--model", "tiny_model:build", "--step-ms", "5", "--workers", "4",
+                          "--json"], capsys))
+    assert out["values"] == 100 * 50 + 50 + 50 * 10 + 10 and out["tensors"] == 4
+
+
+def test_plot(tmp_path, capsys):
+    png = tmp_path / "s.png"
+    run(["--params", "10M", "--step-ms", "50", "--profile", "h100-bound", "--methods", "scatter",
+         "--counts", "8,64", "--plot", str(png)], capsys)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_method_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        advise.main(["--params", "1M", "--step-ms", "1", "--methods", "gzip"])
+
+
+def _bench_json(path, rows, hosts=4):
+    path.write_text(json.dumps({"args": {"hosts": hosts}, "results": rows}))
+    return str(path)
+
+
+def _row(model, method, real, compute=0.1):
+    return {"model": model, "method": method, "rate": "1gbit", "failed": False,
+            "real_step_s": real, "compute_s": compute, "cpus_per_host": 0.4, "dilation": 2.5}
+
+
+def test_compare_and_summary(tmp_path):
+    sizes = {"m": [1 << 20] * 4}
+    prof = steptime.load_profile("cpu")
+    pred = {m: steptime.predict(sizes["m"], m, 4, "1gbit", 0.1, prof, latency_s=0.0).step_s
+            for m in ("none", "twobit", "scatter")}
+    rows = [_row("m", "none", pred["none"]), _row("m", "twobit", pred["twobit"] * 1.2),
+            _row("m", "scatter", pred["scatter"] / 2), _row("m", "ddp", 1.0),
+            dict(_row("m", "fp16", 1.0), failed=True)]
+    got = advise.compare([_bench_json(tmp_path / "b.json", rows)], "cpu",
+                         sizes_of=lambda model, args: sizes[model])
+    assert [r["method"] for r in got] == ["none", "twobit", "scatter"]
+    assert got[0]["error"] == pytest.approx(0, abs=1e-9)
+    assert got[1]["error"] == pytest.approx(1 / 1.2 - 1)
+    assert got[2]["error"] == pytest.approx(1.0)
+    s = advise.summary(got)
+    assert s["rows"] == 3 and s["worst_abs_error"] == pytest.approx(1.0)
+    assert s["median_abs_error"] == pytest.approx(1 - 1 / 1.2)
+    fastest_measured = min(got, key=lambda r: r["measured_s"])["method"]
+    fastest_predicted = min(got, key=lambda r: r["predicted_s"])["method"]
+    assert s["fastest_hits"] == int(fastest_measured == fastest_predicted) and s["cells"] == 1
+
+
+def test_validate_cli_on_bench_output(tmp_path):
+    rows = [_row("mlp", m, 0.05, 0.01) for m in ("none", "twobit", "scatter")]
+    path = tmp_path / "bench_cluster.json"
+    path.write_text(json.dumps({"args": {"hosts": 2, "mlp_hidden": 64, "mlp_in": 32},
+                                "results": rows}))
+    out = subprocess.run([sys.executable, "-m", "horovod_twobit.advise", "validate", str(path),
+                          "--json-out", str(tmp_path / "v.json")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "rows 3: median |error|" in out.stdout
+    v = json.loads((tmp_path / "v.json").read_text())
+    assert len(v["rows"]) == 3 and v["rows"][0]["model"] == "mlp"

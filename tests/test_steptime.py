@@ -1,0 +1,179 @@
+"""The step-time model: its byte counts against the project's formats, the behaviour of its terms,
+profiles, calibration and the comparison with bench_cluster's output."""
+
+import json
+
+import pytest
+
+from horovod_twobit import layout, scatter_wire, steptime
+
+CPU = steptime.load_profile("cpu")
+BOUND = steptime.load_profile("h100-bound")
+
+
+@pytest.mark.parametrize("numels,auto", [([1 << 20], False), ([1 << 20], True),
+                                         ([3000, 70000, 5], False), ([3000, 70000, 5], True),
+                                         ([17], True)])
+@pytest.mark.parametrize("nranks", [2, 3, 8, 64])
+def test_scatter_words_match_chunks(numels, auto, nranks):
+    lay = layout.Layout(numels, auto, *(layout.wire.validate_blocks("auto") if auto else (None, None)))
+    chunks = scatter_wire.Chunks(lay, nranks)
+    sent, red = steptime._scatter_words(lay, nranks)
+    assert sent == sum(chunks.sent_words(c) for c in range(nranks))
+    assert red == sum(chunks.reduced_words(c) for c in range(nranks))
+
+
+@pytest.mark.parametrize("method,exchange,threshold", [("twobit", "allgather", 0.5),
+                                                       ("auto", "allgather", "auto"),
+                                                       ("scatter", "scatter", 0.5),
+                                                       ("scatter_auto", "scatter", "auto")])
+@pytest.mark.parametrize("nranks", [2, 8, 64])
+def test_bytes_are_the_formats_own(method, exchange, threshold, nranks):
+    sizes = [4096, 1 << 20, 300, 5000000, 10]
+    want = scatter_wire.bytes_per_rank(layout.model_layouts(sizes, threshold), nranks, exchange)
+    assert steptime.exchange_bytes(sizes, method, nranks) == pytest.approx(want, rel=1e-12)
+
+
+def test_readme_bytes_table():
+    one = [1 << 20]
+    assert steptime.exchange_bytes(one, "none", 8) == 7340032
+    assert steptime.exchange_bytes(one, "twobit", 8) == 1835148
+    assert steptime.exchange_bytes(one, "scatter", 8) == 803348
+    assert steptime.exchange_bytes(one, "scatter_auto", 8) == 459732
+    assert steptime.exchange_bytes(one, "fp16", 8) == 7340032 / 2
+
+
+def test_parsers():
+    assert steptime.parse_rate("25gbit") == 25e9
+    assert steptime.parse_rate("100Mbit/s") == 1e8
+    assert steptime.parse_rate(1e9) == 1e9
+    assert steptime.parse_count("25.6M") == 25600000
+    assert steptime.parse_seconds("120ms") == pytest.approx(0.12)
+    assert steptime.parse_seconds("50us") == pytest.approx(5e-5)
+    with pytest.raises(ValueError):
+        steptime.parse_rate("fast")
+    assert steptime.sizes_from("2.5M", 1 << 20) == [1 << 20, 1 << 20, 2500000 - (2 << 20)]
+    assert steptime.sizes_from([3, 4]) == [3, 4]
+
+
+def test_profiles_are_labelled():
+    assert CPU["kind"] == "measured" and CPU["source"]
+    for name in ("h100-bound", "a100-bound", "v100-bound"):
+        p = steptime.load_profile(name)
+        assert p["kind"] == "bound" and "datasheet" in p["source"] and "bound" in p["note"]
+    with pytest.raises(ValueError, match="no profile"):
+        steptime.load_profile("no-such-device")
+
+
+def test_profile_without_codec_entries_is_refused(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"codec": {"encode": [0, 0, 0, 0]}}))
+    with pytest.raises(ValueError, match="lacks codec entries"):
+        steptime.load_profile(str(path))
+
+
+def test_slow_link_is_bandwidth_bound_and_fast_link_is_compute_bound():
+    sizes = steptime.sizes_from("20M")
+    slow = steptime.predict(sizes, "none", 8, "100mbit", 0.1, BOUND)
+    link = steptime.exchange_bytes(sizes, "none", 8) * 8 / (1e8 * steptime.TCP_EFFICIENCY)
+    assert link < slow.step_s < link + 0.2
+    fast = steptime.predict(sizes, "none", 8, "10tbit", 0.1, BOUND)
+    assert 0.1 < fast.step_s < 0.13
+
+
+def test_compression_pays_on_slow_links_only():
+    sizes = steptime.sizes_from("25.6M")
+    slow = steptime.predict_all(sizes, 64, "1gbit", 0.1, BOUND)
+    assert slow["scatter"].step_s < slow["fp16"].step_s < slow["none"].step_s
+    fast = steptime.predict_all(sizes, 64, "1tbit", 0.1, BOUND)
+    assert fast["none"].step_s / fast["scatter"].step_s < 1.05  # both about the compute
+
+
+def test_allgather_grows_with_n_and_scatter_stays_flat():
+    """Without latency: the scatter exchange's bytes, hence its time, stay flat in N; with it, the
+    ring's N - 1 messages grow."""
+    sizes = steptime.sizes_from("25.6M")
+    prof = dict(BOUND, message_s=0.0)
+    kw = dict(latency_s=0.0)
+    ag = [steptime.predict(sizes, "twobit", n, "10gbit", 0.1, prof, **kw).step_s for n in (8, 64, 512)]
+    sc = [steptime.predict(sizes, "scatter", n, "10gbit", 0.1, prof, **kw).step_s for n in (8, 64, 512)]
+    late = [steptime.predict(sizes, "scatter", n, "10gbit", 0.1, BOUND).step_s for n in (8, 512)]
+    assert late[1] > late[0] + 0.05
+    assert ag[0] < ag[1] < ag[2] and ag[2] > 4 * ag[0]
+    assert sc[2] < 1.5 * sc[0]
+
+
+def test_latency_and_cycle_terms():
+    sizes = [1000] * 50
+    a = steptime.predict(sizes, "none", 16, "10gbit", 0.01, BOUND, latency_s=1e-6)
+    b = steptime.predict(sizes, "none", 16, "10gbit", 0.01, BOUND, latency_s=1e-3)
+    # at least one fused allreduce of 2 (N - 1) messages pays the extra latency
+    assert b.step_s - a.step_s >= 30 * (1e-3 - 1e-6)
+    c = steptime.predict(sizes, "none", 16, "10gbit", 0.01, BOUND, cycle_s=0.02)
+    assert c.step_s > a.step_s
+
+
+def test_fusion_saves_messages():
+    sizes = [1000] * 200
+    fused = steptime.predict(sizes, "none", 32, "10gbit", 0.001, BOUND, latency_s=1e-4)
+    alone = steptime.predict(sizes, "none", 32, "10gbit", 0.001, BOUND, latency_s=1e-4,
+                             fusion_bytes=1)
+    assert alone.step_s > 3 * fused.step_s
+
+
+def test_codec_cost_is_charged():
+    sizes = steptime.sizes_from("50M")
+    fast = json.loads(json.dumps(BOUND))
+    for k in fast["codec"]:
+        fast["codec"][k][0] = fast["codec"][k][1] = 0.0
+    cheap = steptime.predict(sizes, "twobit", 4, "100gbit", 0.05, fast)
+    slow = json.loads(json.dumps(fast))
+    for k in slow["codec"]:
+        slow["codec"][k][2] *= 100
+        slow["codec"][k][3] *= 100
+    dear = steptime.predict(sizes, "twobit", 4, "100gbit", 0.05, slow)
+    assert dear.parts["codec"] == pytest.approx(
+        100 * cheap.parts["codec"], rel=0.05)
+    assert dear.step_s > cheap.step_s + 0.5 * (dear.parts["codec"] - cheap.parts["codec"])
+
+
+def test_serial_cpu_profile_is_at_least_the_hosts_cpu_work():
+    sizes = steptime.sizes_from("20M")
+    for m in steptime.METHODS:
+        p = steptime.predict(sizes, m, 4, "100gbit", 0.2, CPU)
+        assert p.step_s >= p.parts["cpu"] - 1e-12
+        assert p.step_s >= 0.2
+
+
+def test_break_even_rate_separates_faster_and_slower():
+    sizes = steptime.sizes_from("25.6M")
+    r = steptime.break_even_rate(sizes, "scatter", 64, 0.1, BOUND)
+    assert r and 1e8 < r < 1e12
+    below = steptime.predict_all(sizes, 64, r / 2, 0.1, BOUND, methods=("none", "scatter"))
+    above = steptime.predict_all(sizes, 64, r * 2, 0.1, BOUND, methods=("none", "scatter"))
+    assert below["scatter"].step_s < below["none"].step_s
+    assert above["scatter"].step_s > above["none"].step_s
+
+
+def test_unknown_method():
+    with pytest.raises(ValueError, match="method must be one of"):
+        steptime.predict([10], "zip", 2, 1e9, 0.1, BOUND)
+
+
+def test_calibrate_writes_a_usable_profile(tmp_path):
+    path = tmp_path / "me.json"
+    prof = steptime.calibrate(str(path), sizes=(1024, 4096), ranks=(2, 3), compiled=False, reps=1,
+                              name="me")
+    back = steptime.load_profile(str(path))
+    assert back["name"] == "me" and back["kind"] == "measured"
+    for k in steptime.CODEC_KEYS:
+        assert len(back["codec"][k]) == 4 and min(back["codec"][k]) >= 0
+        assert steptime.codec_s(back, k, 4096, 2) > 0
+    for k in ("sum_fp32_s", "sum_fp16_s", "copy_s_per_byte", "kernel_s_per_byte", "message_s"):
+        assert prof[k] > 0
+    assert steptime.predict([4096], "scatter", 2, 1e9, 0.01, str(path)).step_s > 0.01
+
+
+def test_fit_recovers_coefficients():
+    pts = [(n, N, 1e-3 + 2e-5 * N + n * (3e-9 + 4e-10 * N)) for n in (1e4, 1e6) for N in (2, 8)]
+    assert steptime._fit(pts) == pytest.approx([1e-3, 2e-5, 3e-9, 4e-10], rel=1e-6)
