@@ -248,7 +248,7 @@ def test_pip_settings_for_the_image(tmp_path):
 
 def _pip_env():
     """pip without this machine's configuration (indexes, find-links, constraints): only what a test gives it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
     return env
 
@@ -335,7 +335,8 @@ def test_pip_install_keeps_the_environments_horovod(tmp_path, wheel_dir):
         n for n in os.listdir(site) if n.startswith("horovod_twobit")), os.listdir(site)
     where = subprocess.run([py, "-c", "import importlib.metadata as m, horovod_twobit; "
                             "d = m.distribution('horovod'); print(d.version, d.locate_file(''), horovod_twobit.__file__)"],
-                           capture_output=True, text=True, check=True, cwd=str(tmp_path)).stdout.split()
+                           capture_output=True, text=True, check=True, cwd=str(tmp_path),
+                           env=_pip_env()).stdout.split()
     assert where[0] == "0.28.1" and where[1].startswith(stack) and where[2].startswith(site), where
 
 
