@@ -43,7 +43,7 @@ def _exchange(layout, rs, grads, threshold, rule="lsq", op_divisor=None, scale=1
     gathered = torch.cat(payloads)
     names = ["t%d" % i for i in range(layout.members)]
     return [codec.finish_payload(layout, gathered, nranks, names, rs[rank], gs[rank],
-                                 *levels[rank], op_divisor or nranks, scale)
+                                 *levels[rank], op_divisor or nranks, scale)[0]
             for rank in range(nranks)]
 
 
