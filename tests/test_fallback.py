@@ -1,4 +1,5 @@
-"""The fallback of TwoBitCompressor (fallback="always" / "auto") in real 2-rank jobs, against
+"""The fallback of TwoBitCompressor (fallback="always" / "auto") in real 2-rank jobs, PyTorch
+(hvd.DistributedOptimizer) and TensorFlow (hvd.DistributedGradientTape in a tf.function), against
 the NumPy reference bit for bit: a bucket sent uncompressed carries g + r exactly and leaves a
 zero residual; switching between the compressed and the plain path at any step loses nothing; a
 NaN step keeps the residuals; "auto" measures the link and every rank decides alike."""
@@ -12,23 +13,25 @@ from horovod_twobit import reference as ref
 from horovod_twobit.fallback import validate_fallback
 
 pytestmark = pytest.mark.slow
-SWITCH = ["compressed", "compressed", "plain", "plain", "compressed", "plain"]
+SWITCH = ["compressed", "compressed", "plain", "plain", "compressed", "plain"]  # the workers'
 CONFIGS = ["0.05:allgather:always", "auto:scatter:switch", "0.05:allgather:switch",
            "0.05:allgather:auto"]
 
 
-def _ranks(tmp_path_factory, index):
+def _ranks(tmp_path_factory, framework, index):
     def job():
         out = tmp_path_factory.mktemp("fallback")
-        res = jobs.run(2, "torch_fallback.py", "--out", out, "--configs", *CONFIGS, timeout=300)
+        res = jobs.run(2, "%s_fallback.py" % framework, "--out", out, "--configs", *CONFIGS,
+                       timeout=300)
         return res, out
-    res, out = jobs.shared(("fallback",), job)
+    res, out = jobs.shared(("fallback", framework), job)
     return res, sim.load_ranks(str(out / str(index)), 2)
 
 
 @pytest.mark.parametrize("index", range(len(CONFIGS)), ids=CONFIGS)
-def test_fallback_matches_reference(tmp_path_factory, index):
-    res, ranks = _ranks(tmp_path_factory, index)
+@pytest.mark.parametrize("framework", ["torch", "tf"])
+def test_fallback_matches_reference(tmp_path_factory, framework, index):
+    res, ranks = _ranks(tmp_path_factory, framework, index)
     threshold, exchange, mode = CONFIGS[index].split(":")
     w = ref.Workers(2, threshold if threshold == "auto" else float(threshold), exchange=exchange)
     groups = [g.split(",") for g in ranks[0]["groups"].tolist()]
@@ -55,6 +58,10 @@ def test_fallback_matches_reference(tmp_path_factory, index):
         for r in ranks:
             want_ex = ["plain" if d == "plain" else exchange for d in decisions]
             assert r["exchanges/%d" % step].tolist() == want_ex
+            if "plain_bytes/%d" % step in r:  # every value of a plain bucket, as float32
+                plain_values = sum(r["agg/%d/%s" % (step, n)].size for g, d in
+                                   zip(groups, decisions) if d == "plain" for n in g)
+                assert int(r["plain_bytes/%d" % step]) == 4 * plain_values
     if mode != "auto":
         assert plain_steps > 0
     for n in ranks[0]:
@@ -63,7 +70,10 @@ def test_fallback_matches_reference(tmp_path_factory, index):
             assert np.isfinite(ranks[0][n]).all()
     if mode == "auto":
         assert "Link(" in str(ranks[0]["link"]) and "bytes/s" in str(ranks[0]["link"])
-        assert res.output.count("horovod-twobit: bucket") >= 4, res  # logged once per bucket
+        # logged once per bucket and rank: 2 buckets in the "always" and the "auto" configuration
+        assert res.output.count("horovod-twobit: bucket") == 8, res
+    if "repr" in ranks[0]:
+        assert "fallback=" in str(ranks[0]["repr"])
 
 
 def test_fallback_argument_is_checked():

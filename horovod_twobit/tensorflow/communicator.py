@@ -183,11 +183,17 @@ def run(compressor, tensors, keys, op, prescale, postscale, process_set, op_name
     ``exchange="scatter"`` (or "auto" choosing it) an alltoall and an allgather
     (:mod:`horovod_twobit.tensorflow.scatter_exchange`). Returns the results."""
     nranks = process_set.size()
+    layout = layout_of(compressor, keys, tensors)
+    if compressor.plain(layout, keys, process_set):  # the fallback: uncompressed, g + r
+        from . import plain_exchange
+        out = plain_exchange.run(compressor, tensors, keys, op, prescale, postscale, process_set,
+                                 op_name, ignore_name_scope)
+        return compressor.stats_slots.record(layout, keys, "plain", nranks, process_set.rank(),
+                                             None, out)
     if len(tensors) == 1:
         ex = Exchange(compressor, tensors[0], keys[0], op, prescale, postscale, nranks)
     else:
         ex = BucketExchange(compressor, tensors, keys, op, prescale, postscale, nranks)
-    layout = layout_of(compressor, keys, tensors)
     exchange = scatter_wire.choose(compressor.exchange, layout, nranks)
     if exchange == "scatter":
         from . import scatter_exchange

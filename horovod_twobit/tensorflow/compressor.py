@@ -1,6 +1,7 @@
 """``TwoBitCompressor``: MXNet's 2-bit compression with error feedback, as a Horovod compressor for
 TensorFlow 2 and Keras."""
 
+import logging
 import threading
 import warnings
 
@@ -10,6 +11,7 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from .. import layout, scatter_wire, state, wire
+from ..fallback import compress_pays, validate_fallback
 from .stats import Slots, residual_norms
 from .residuals import Residuals, _Plain, rank_size  # noqa: F401 (rank_size: public here too)
 
@@ -22,6 +24,7 @@ class _Unrouted:
 
 
 _UNROUTED = _Unrouted()
+_log = logging.getLogger("horovod_twobit")
 
 
 class TwoBitCompressor(Compressor, tf.Module):
@@ -97,10 +100,20 @@ class TwoBitCompressor(Compressor, tf.Module):
             numeric threshold (lossless), or re-encoded in 2 bits with the owner's own residual
             for "auto" (:mod:`horovod_twobit.tensorflow.scatter_exchange`). ``"auto"``: per
             bucket, whichever sends fewer bytes for its size and N. Every rank must use the same.
+        fallback: as in the PyTorch binding. ``None`` (default): always compress. ``"auto"``:
+            when a bucket's exchange is first traced (eagerly or in a ``tf.function``), the ranks
+            time collectives of known size and a codec pass (once per number of ranks; again
+            after :meth:`reset`); with rank 0's figures every rank decides whether compression
+            pays for that bucket (:mod:`horovod_twobit.fallback`), and where it does not the
+            bucket goes through Horovod's own allreduce as g + r, exactly, its residual then
+            zero (:mod:`horovod_twobit.tensorflow.plain_exchange`). ``"always"``: every bucket
+            that way. Decisions are logged once (logger ``horovod_twobit``) and kept in
+            :attr:`decisions` and the stats (exchange ``"plain"``); a function traced before
+            keeps the decision it was traced with.
     """
 
     def __init__(self, threshold=0.5, name=None, *, rule=None, block=None, blocks=None,
-                 bucket_bytes=None, exchange="allgather"):
+                 bucket_bytes=None, exchange="allgather", fallback=None):
         tf.Module.__init__(self, name=name or "twobit_compressor")
         threshold = wire.validate_threshold(threshold)
         self.block, self.blocks = wire.validate_blocks(threshold, block, blocks)
@@ -108,7 +121,10 @@ class TwoBitCompressor(Compressor, tf.Module):
         self.auto_rule = wire.auto_rule(rule)
         self.bucket_bytes = layout.validate_bucket_bytes(bucket_bytes)
         self.exchange = scatter_wire.validate_exchange(exchange)
+        self.fallback = validate_fallback(fallback)
         self._plain = _Plain()  # the router's cache of eager exchange functions
+        self._plain.decisions = {}  # (bucket key, number of ranks) -> "compressed" / "plain"
+        self._plain.links = {}  # (process set id, size) -> the measured Link
         self.residuals = Residuals()
         # the residuals this rank keeps as owner of scatter chunks ("auto" only), keyed by
         # bucket, and the (rank, size) they belong to
@@ -129,6 +145,8 @@ class TwoBitCompressor(Compressor, tf.Module):
             extra += ", bucket_bytes=%d" % self.bucket_bytes
         if self.exchange != "allgather":
             extra += ", exchange=%r" % self.exchange
+        if self.fallback:
+            extra += ", fallback=%r" % self.fallback
         return "TwoBitCompressor(threshold=%r%s)" % (self._threshold, extra)
 
     def compress(self, tensor):
@@ -151,6 +169,42 @@ class TwoBitCompressor(Compressor, tf.Module):
                           "allreduce, uncompressed (its result is correct). Call "
                           "horovod_twobit.tensorflow.install() if you uninstalled the router.")
         return tensor
+
+    @property
+    def decisions(self):
+        """The fallback's decisions: (bucket key, number of ranks) -> "compressed" or "plain"."""
+        return self._plain.decisions
+
+    def plain(self, layout, keys, process_set):
+        """Whether the bucket of ``keys`` goes uncompressed with this process set (``fallback``):
+        always, or where the measured link and codec say compression would not pay. Decided
+        once per bucket and number of ranks, when its exchange is traced; logged once."""
+        if not self.fallback:
+            return False
+        n = process_set.size()
+        key = (scatter_wire.owner_key(keys), n)
+        got = self._plain.decisions.get(key)
+        if got is None:
+            if self.fallback == "always":
+                plain = True
+            else:
+                link = self.link(process_set)
+                plain = not compress_pays(layout, n, scatter_wire.choose(self.exchange, layout, n),
+                                          link)
+            got = self._plain.decisions[key] = "plain" if plain else "compressed"
+            _log.info("horovod-twobit: bucket %s (%d values, %d ranks): %s", key[0],
+                      sum(layout.numels), n, got)
+        return got == "plain"
+
+    def link(self, process_set):
+        """The measured :class:`horovod_twobit.fallback.Link` of this process set (rank 0's
+        figures, broadcast), measured eagerly on first use."""
+        key = (process_set.process_set_id, process_set.size())
+        if key not in self._plain.links:
+            from .link import measure
+            with tf.init_scope():
+                self._plain.links[key] = measure(process_set, self)
+        return self._plain.links[key]
 
     def owner_residual(self, key, numel, rank, size):
         """This rank's residual variable as owner of a scatter chunk of bucket ``key`` (float32,
@@ -208,10 +262,13 @@ class TwoBitCompressor(Compressor, tf.Module):
         else:
             self.residuals.load_state_dict({k: np.asarray(v) for k, v in residuals.items()})
             self.owners.load_state_dict({k: np.asarray(v) for k, v in
-                                         saved.get("owner_residuals", {}).items()})
+                                         state.owner_residuals_to_load(saved).items()})
             self._plain.owner_of = rank_size()
 
     def reset(self):
-        """Sets every residual back to zero, the scatter owners' too."""
+        """Sets every residual back to zero, the scatter owners' too, and forgets the fallback's
+        link measurements and decisions (made again when an exchange is next traced)."""
         self.residuals.reset()
         self.owners.reset()
+        self._plain.decisions.clear()
+        self._plain.links.clear()

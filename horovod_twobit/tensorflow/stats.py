@@ -24,9 +24,11 @@ def _variable(init):
 class _Slot:
     def __init__(self, layout, names, exchange, nbytes):
         self.layout, self.names, self.exchange, self.nbytes = layout, list(names), exchange, nbytes
-        self.payload = _variable(np.zeros(layout.payload_words, np.int32))
+        plain = exchange == "plain"  # the fallback: no payload, every value sent
+        self.payload = None if plain else _variable(np.zeros(layout.payload_words, np.int32))
         self.steps = _variable(np.int64(0))
         self.nonfinite = _variable(np.int64(0))
+        self.stamp = _variable(np.int64(0))  # the compressor's clock at this slot's last step
         self.base = (0, 0)  # (steps, nonfinite) at the last reset
 
 
@@ -36,21 +38,27 @@ class Slots:
     def __init__(self):
         self._slots = {}
         self._lock = threading.Lock()
+        self._clock = None  # counts bucket steps: which of a bucket's slots stepped last
 
     def record(self, layout, names, exchange, nranks, rank, payload, results):
         """Adds the step's updates to the graph: ``results`` (the exchange's outputs) returned
         after them."""
         key = (scatter_wire.owner_key(names), exchange, nranks)
         with self._lock:
+            if self._clock is None:
+                self._clock = _variable(np.int64(0))
             slot = self._slots.get(key)
             if slot is None:
-                slot = self._slots[key] = _Slot(
-                    layout, names, exchange, scatter_wire.rank_bytes(layout, nranks, rank, exchange))
+                nbytes = (4 * sum(layout.numels) if exchange == "plain"
+                          else scatter_wire.rank_bytes(layout, nranks, rank, exchange))
+                slot = self._slots[key] = _Slot(layout, names, exchange, nbytes)
         # a member that held NaN or Inf on some rank is NaN everywhere: its first value tells
         nan = [tf.math.is_nan(tf.reshape(r, [-1])[0]) for r in results if r.shape.num_elements()]
         bad = tf.reduce_any(tf.stack(nan)) if nan else tf.constant(False)
-        updates = [slot.payload.assign(payload), slot.steps.assign_add(1),
-                   slot.nonfinite.assign_add(tf.cast(bad, tf.int64))]
+        updates = [slot.steps.assign_add(1), slot.nonfinite.assign_add(tf.cast(bad, tf.int64)),
+                   slot.stamp.assign(self._clock.assign_add(1))]
+        if slot.payload is not None:
+            updates.append(slot.payload.assign(payload))
         with tf.control_dependencies(updates):
             return [tf.identity(r) for r in results]
 
@@ -59,6 +67,9 @@ class Slots:
             slots = list(self._slots.values())
         last, totals = {}, (dict.fromkeys(stats.EXCHANGES, 0), dict.fromkeys(stats.EXCHANGES, 0))
         nonfinite = 0
+        # a bucket may have stepped in several slots (another exchange after a fallback decision,
+        # another number of ranks): its last step is its slot's with the latest stamp
+        slots.sort(key=lambda s: int(s.stamp.numpy()))
         for s in slots:
             steps, bad = int(s.steps.numpy()), int(s.nonfinite.numpy())
             totals[0][s.exchange] += (steps - s.base[0]) * s.nbytes
@@ -67,11 +78,14 @@ class Slots:
             if reset:
                 s.base = (steps, bad)
             if steps:
-                payload = s.payload.numpy()
-                last[scatter_wire.owner_key(s.names)] = stats.Step(
-                    s.names, s.exchange, s.nbytes,
-                    lambda p=payload, s=s: stats.payload_counts(s.layout, p, threshold),
-                    sum(s.layout.numels))
+                values = sum(s.layout.numels)
+                if s.payload is None:  # uncompressed: every value sent, no levels
+                    reader = lambda v=values: (v, 0.0, 0)  # noqa: E731
+                else:
+                    reader = lambda p=s.payload.numpy(), s=s: stats.payload_counts(  # noqa: E731
+                        s.layout, p, threshold)
+                last[scatter_wire.owner_key(s.names)] = stats.Step(s.names, s.exchange, s.nbytes,
+                                                                  reader, values)
         return stats.summarize(last, *totals, nonfinite, residual_norms, threshold, per_tensor)
 
 

@@ -19,3 +19,16 @@ def run_each(out, specs, run, rank):
         os.makedirs(os.path.join(out, str(i)), exist_ok=True)
         np.savez(os.path.join(out, str(i), "rank%d.npz" % rank), **rec)
         print("rank %d configuration %d (%s) done" % (rank, i, spec), flush=True)
+
+
+def parse_args():
+    """The options every configuration worker takes: --out DIR --configs SPEC [SPEC ...]."""
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--configs", nargs="+", required=True)
+    return p.parse_args()
+
+
+# the fallback workers' forced decisions, step by step: both paths and the switches between them
+SWITCH = ["compressed", "compressed", "plain", "plain", "compressed", "plain"]

@@ -6,7 +6,6 @@ MODE "always" sends every bucket uncompressed; "switch" sets the decisions by ha
 them; "auto" measures the link and decides. Saves local and aggregated gradients, residuals after
 each step, the decisions, the stats' exchanges and the final weights to OUT/<index>/rank<r>.npz."""
 
-import argparse
 import json
 import logging
 
@@ -15,13 +14,9 @@ import torch
 
 import horovod.torch as hvd
 from horovod_twobit.torch import TwoBitCompressor
-from configs import run_each
+from configs import SWITCH, parse_args, run_each
 
-SWITCH = ["compressed", "compressed", "plain", "plain", "compressed", "plain"]
-p = argparse.ArgumentParser()
-p.add_argument("--out", required=True)
-p.add_argument("--configs", nargs="+", required=True)
-args = p.parse_args()
+args = parse_args()
 hvd.init()
 rank = hvd.rank()
 torch.set_num_threads(1)

@@ -1,0 +1,65 @@
+"""The fallback's measurements (:mod:`horovod_twobit.fallback`) in TensorFlow, as the PyTorch
+binding's (:mod:`horovod_twobit.torch.link`): the link, by timed allreduces of known size through
+Horovod, and the codec rate, by one encode and finish of known size; rank 0's figures are
+broadcast, so every rank decides alike. Runs eagerly: an exchange traced inside a
+``tf.function`` measures under ``tf.init_scope`` while it is being traced, which every rank does
+at the same point of its program."""
+
+import time
+
+import tensorflow as tf
+
+import horovod.tensorflow.mpi_ops as mpi_ops
+
+from ..fallback import Link
+
+_BIG = 1 << 20  # values of the timed allreduce (4 MB) and of the timed codec pass
+
+
+def _allreduce_seconds(values, process_set, tag, repeat=3):
+    x = tf.zeros([values], tf.float32)
+    best = float("inf")
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        mpi_ops._allreduce(x, name="twobit.link.%s.%d" % (tag, i), op=mpi_ops.Sum,
+                           process_set=process_set).numpy()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _codec_seconds(compressor):
+    from .communicator import Exchange
+    from .compressor import TwoBitCompressor
+    scratch = TwoBitCompressor(compressor.threshold, block=compressor.block,
+                               blocks=compressor.blocks, bucket_bytes=0)
+    g = tf.random.stateless_normal([_BIG], seed=[1, 2])
+
+    @tf.function(autograph=False)
+    def codec_pass(g):
+        ex = Exchange(scratch, g, "twobit.link", mpi_ops.Sum, 1.0, 1.0, 1)
+        return ex.finish(ex.payload)
+
+    codec_pass(g).numpy()  # traced once, untimed
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        codec_pass(g).numpy()
+        best = min(best, time.perf_counter() - t0)
+    return best / 2  # one encode and one decode-sum, each about half
+
+
+def measure(process_set, compressor):
+    """A :class:`Link` of ``process_set`` from rank 0's measurements. Eager only."""
+    if not tf.executing_eagerly():
+        raise RuntimeError("TwoBitCompressor(fallback=\"auto\") measures the link eagerly, when its "
+                           "first exchange is traced; TF1 graph mode cannot: use fallback=None or "
+                           "\"always\" there")
+    N = process_set.size()
+    small = _allreduce_seconds(1, process_set, "small")
+    big = _allreduce_seconds(_BIG, process_set, "big")
+    moved = 2 * (N - 1) / max(N, 1) * 4 * _BIG  # bytes each rank sends in a ring allreduce
+    rate = moved / max(big - small, 1e-9)
+    codec = _BIG / _codec_seconds(compressor)
+    figures = tf.constant([rate, small, codec], tf.float64)
+    figures = mpi_ops.broadcast(figures, 0, name="twobit.link.figures", process_set=process_set)
+    return Link(*figures.numpy().tolist())

@@ -1,0 +1,96 @@
+"""The fallback (TwoBitCompressor(..., fallback=...)) in a real TensorFlow job, as
+tests/workers/torch_fallback.py: hvd.DistributedGradientTape in a tf.function, with buckets
+(bucket_bytes=2048: a bucket of three tensors and a tensor alone), a NaN in the last rank's l0_b
+gradient at step 2. Per configuration (--configs THRESHOLD:EXCHANGE:MODE): "always" sends every
+bucket uncompressed; "switch" forces the decisions step by step (compressed, compressed, plain,
+plain, compressed, plain), tracing the step anew each time (a traced function keeps its
+decisions); "auto" measures the link and decides. Saves local and aggregated gradients, residuals
+after each step, the decisions, the stats' exchanges and the final weights to
+OUT/<index>/rank<r>.npz."""
+
+import json
+import logging
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+from horovod_twobit.tensorflow import TwoBitCompressor
+from configs import SWITCH, parse_args, run_each
+
+NAMES = ["l0_w", "l0_b", "l1_w", "l1_b"]
+SHAPES = [(12, 40), (40,), (40, 6), (6,)]
+args = parse_args()
+hvd.init()
+rank = hvd.rank()
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+logging.basicConfig(level=logging.INFO, format="rank %d %%(message)s" % rank)
+
+
+class Forced(dict):
+    """Decisions forced by the test: every bucket asked about gets ``mode``."""
+    mode = "compressed"
+
+    def get(self, key, default=None):
+        self[key] = self.mode
+        return self.mode
+
+
+def run(spec):
+    threshold, exchange, mode = spec.split(":")
+    rng = np.random.default_rng(0)
+    variables = [tf.Variable(rng.standard_normal(s).astype(np.float32) * 0.3, name=n)
+                 for n, s in zip(NAMES, SHAPES)]
+    hvd.broadcast_variables(variables, root_rank=0)
+    c = TwoBitCompressor(threshold if threshold == "auto" else float(threshold),
+                         bucket_bytes=2048, exchange=exchange,
+                         fallback="always" if mode == "always" else "auto")
+    if mode == "switch":
+        c._plain.decisions = Forced()
+
+    def train_step(x, y, f):
+        w0, b0, w1, b1 = variables
+        with tf.GradientTape(persistent=True) as tape:
+            pred = tf.matmul(tf.tanh(tf.matmul(x, w0) + b0), w1) + b1
+            loss = tf.reduce_mean(tf.square(pred - y)) * 3.0 + tf.reduce_sum(b0 * f)
+        local = tape.gradient(loss, variables)
+        agg = hvd.DistributedGradientTape(tape, compression=c).gradient(loss, variables)
+        ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in agg])
+        for v, g in zip(variables, agg):
+            v.assign_sub(tf.where(ok, 0.1 * g, tf.zeros_like(g)))  # skipped when not finite
+        return local, agg
+
+    step_fn = tf.function(train_step)
+    rec = {}
+    for step in range(len(SWITCH)):
+        if mode == "switch":
+            Forced.mode = SWITCH[step]
+            step_fn = tf.function(train_step)  # traced anew: decided anew
+        data = np.random.default_rng(1000 * rank + step)
+        x = data.standard_normal((16, 12)).astype(np.float32)
+        y = data.standard_normal((16, 6)).astype(np.float32)
+        f = np.zeros(40, np.float32)
+        if step == 2 and rank == hvd.size() - 1:
+            f[5] = np.nan
+        local, agg = step_fn(x, y, f)
+        for n, lg, ag in zip(NAMES, local, agg):
+            rec["local/%d/%s" % (step, n)] = lg.numpy().reshape(-1)
+            rec["agg/%d/%s" % (step, n)] = ag.numpy().reshape(-1)
+        for k, r in c.state_dict()["residuals"].items():
+            rec["res/%d/%s" % (step, k)] = np.asarray(r).reshape(-1).copy()
+        st = c.stats()
+        keys = sorted(st["buckets"])
+        rec["decisions/%d" % step] = np.array([c.decisions[(k, hvd.size())] for k in keys])
+        rec["exchanges/%d" % step] = np.array([st["buckets"][k]["exchange"] for k in keys])
+        rec["groups"] = np.array([",".join(st["buckets"][k]["tensors"]) for k in keys])
+        rec["plain_bytes/%d" % step] = np.int64(st["bytes_last_step"]["plain"])
+    for n, v in zip(NAMES, variables):
+        rec["w/" + n] = v.numpy().reshape(-1)
+    rec["link"] = np.array(json.dumps([repr(v) for v in c._plain.links.values()]))
+    rec["repr"] = np.array(repr(c))
+    return rec
+
+
+run_each(args.out, args.configs, run, rank)
+print("rank %d done" % rank, flush=True)
