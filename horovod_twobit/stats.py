@@ -17,7 +17,15 @@ import threading
 import numpy as np
 
 EXCHANGES = ("allgather", "scatter", "plain")  # plain: the fallback, uncompressed
-_SENT_PER_BYTE = np.array([bin(b & 0xAA).count("1") for b in range(256)], np.int64)
+
+
+def _high_bits(words):
+    """How many 2-bit codes in ``words`` (uint32) have their high bit set (10 or 11: sent): a
+    bit count of the odd bits, by halves, nibbles and bytes (no table lookups)."""
+    x = (words >> np.uint32(1)) & np.uint32(0x55555555)
+    x = (x & np.uint32(0x33333333)) + ((x >> np.uint32(2)) & np.uint32(0x33333333))
+    x = (x + (x >> np.uint32(4))) & np.uint32(0x0F0F0F0F)
+    return int(((x * np.uint32(0x01010101)) >> np.uint32(24)).sum(dtype=np.int64))
 
 
 def payload_counts(layout, payload, threshold):
@@ -25,7 +33,7 @@ def payload_counts(layout, payload, threshold):
     (int32 words, NumPy) for a bucket of ``layout``: the codes 10 and 11 (high bit set) in its
     packed words; the magnitudes it carries with "auto", else the numeric threshold."""
     payload = np.ascontiguousarray(payload, dtype=np.int32).reshape(-1)
-    sent = int(_SENT_PER_BYTE[payload[layout.body:].view(np.uint8)].sum())
+    sent = _high_bits(payload[layout.body:].view(np.uint32))
     if not layout.auto:
         return sent, float(threshold), 1
     mags = payload[layout.head_words:layout.body] if layout.mag_words else payload[4:5]
@@ -34,12 +42,14 @@ def payload_counts(layout, payload, threshold):
 
 class Step:
     """One bucket step: its tensors, exchange, bytes handed to the collectives, a reader of its
-    payload (see :meth:`StatsLog.sent`) and its number of real values."""
-    __slots__ = ("names", "exchange", "nbytes", "reader", "values")
+    payload (see :meth:`StatsLog.sent`), its number of real values, and optionally ``norms``, a
+    function giving the bucket's residual (sum of squares, max |r|) at once, or None when it
+    cannot (then they are read per tensor)."""
+    __slots__ = ("names", "exchange", "nbytes", "reader", "values", "norms")
 
-    def __init__(self, names, exchange, nbytes, reader, values):
+    def __init__(self, names, exchange, nbytes, reader, values, norms=None):
         self.names, self.exchange, self.nbytes = list(names), exchange, int(nbytes)
-        self.reader, self.values = reader, int(values)
+        self.reader, self.values, self.norms = reader, int(values), norms
 
 
 class StatsLog:
@@ -57,12 +67,13 @@ class StatsLog:
             self._steps = dict.fromkeys(EXCHANGES, 0)
             self._nonfinite = 0
 
-    def sent(self, key, names, exchange, nbytes, reader, values):
+    def sent(self, key, names, exchange, nbytes, reader, values, norms=None):
         """A bucket step was launched: ``nbytes`` handed to the collectives with ``exchange``;
         ``reader()`` -> (codes sent as +-level, sum of the levels in use, number of levels) of
-        this rank's payload, evaluated only by :meth:`snapshot`; ``values``: the real values."""
+        this rank's payload, evaluated only by :meth:`snapshot`; ``values``: the real values;
+        ``norms``: see :class:`Step`."""
         with self._lock:
-            self._last[key] = Step(names, exchange, nbytes, reader, values)
+            self._last[key] = Step(names, exchange, nbytes, reader, values, norms)
             self._bytes_total[exchange] += int(nbytes)
             self._steps[exchange] += 1
 
@@ -100,19 +111,23 @@ def summarize(last, bytes_total, steps, nonfinite, residual_norms, threshold, pe
     out = {"bytes_total": dict(bytes_total), "bucket_steps": dict(steps),
            "nonfinite_steps": int(nonfinite), "bytes_last_step": dict.fromkeys(EXCHANGES, 0)}
     buckets, sent, values, level_sum, level_count = {}, 0, 0, 0.0, 0
-    norms = residual_norms([n for s in last.values() for n in s.names])
+    whole = {} if per_tensor else {k: s.norms() for k, s in last.items() if s.norms}
+    norms = residual_norms([n for k, s in last.items() if whole.get(k) is None for n in s.names])
     for key, s in sorted(last.items()):
         nonzero, lsum, lcount = s.reader()
         out["bytes_last_step"][s.exchange] += s.nbytes
         sent, values = sent + nonzero, values + s.values
         level_sum, level_count = level_sum + lsum, level_count + lcount
-        sq = sum(norms[n][0] for n in s.names if n in norms)
+        if whole.get(key) is not None:  # the bucket's norms at once
+            sq, mx = whole[key]
+        else:
+            sq = sum(norms[n][0] for n in s.names if n in norms)
+            mx = max([norms[n][1] for n in s.names if n in norms], default=0.0)
         buckets[key] = {
             "tensors": list(s.names), "exchange": s.exchange, "values": s.values,
             "bytes_last_step": s.nbytes, "fraction_sent": nonzero / max(s.values, 1),
             "level_mean": lsum / lcount if lcount else float("nan"),
-            "residual_l2": sq ** 0.5,
-            "residual_max": max([norms[n][1] for n in s.names if n in norms], default=0.0)}
+            "residual_l2": sq ** 0.5, "residual_max": mx}
     out["fraction_sent"] = sent / values if values else 0.0
     if threshold == "auto":
         out["threshold"] = level_sum / level_count if level_count else float("nan")

@@ -21,7 +21,7 @@ import horovod.torch.mpi_ops as mpi_ops
 
 from .. import scatter_wire
 from ..layout import Layout
-from . import codec
+from . import codec, stats_read
 from .flight import Flight
 from .plain_flight import PlainFlight
 from .scatter_flight import ScatterFlight
@@ -49,6 +49,10 @@ class Bucket:
         self._round = None  # the step whose members are arriving
         self._flight = None  # the last step sent
         self._exchanges = {}  # number of ranks -> (exchange, its Chunks or None)
+        # for the stats: its key, real values, bytes per (ranks, rank, exchange), residual norms
+        self.key, self.values = scatter_wire.owner_key(self.names), sum(self.layout.numels)
+        self._sent_bytes = {}
+        self.norms = stats_read.bucket_norms(self)
 
     def residual(self, tensors):
         """This bucket's flat float32 residual, its members' residuals in the registry."""
@@ -117,6 +121,14 @@ class Bucket:
             name = scatter_wire.choose(self.compressor.exchange, self.layout, nranks)
             chunks = scatter_wire.Chunks(self.layout, nranks) if name == "scatter" else None
             got = self._exchanges[nranks] = (name, chunks)
+        return got
+
+    def sent_bytes(self, nranks, rank, exchange):
+        """Bytes this rank hands to the collectives per step (scatter_wire's count, cached)."""
+        k = (nranks, rank, exchange)
+        got = self._sent_bytes.get(k)
+        if got is None:
+            got = self._sent_bytes[k] = scatter_wire.rank_bytes(self.layout, nranks, rank, exchange)
         return got
 
     def flush(self, rnd):

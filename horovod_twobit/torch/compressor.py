@@ -12,6 +12,7 @@ from .. import layout, scatter_wire, state, wire
 from ..registry import ResidualRegistry
 from ..fallback import compress_pays, validate_fallback
 from ..stats import StatsLog
+from . import stats_read
 
 _MARK = "_horovod_twobit"
 _log = logging.getLogger("horovod_twobit")
@@ -281,15 +282,7 @@ class TwoBitCompressor(Compressor):
         return out
 
     def _residual_norms(self, names):
-        out = {}
-        for n in names:
-            r = self.residuals.lookup(n)
-            if r is not None and r.numel():
-                r = r.detach().double()
-                out[n] = (float((r * r).sum()), float(r.abs().max()))
-            elif r is not None:
-                out[n] = (0.0, 0.0)
-        return out
+        return stats_read.tensor_norms(self.residuals, names)
 
     def state_dict(self):
         """This rank's residuals (CPU copies) keyed by tensor name, with the threshold, rank and

@@ -7,7 +7,7 @@ import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
-from .. import scatter_wire, stats
+from .. import stats
 from . import codec, progress
 
 
@@ -42,11 +42,10 @@ class Flight:
         payload = torch.empty(layout.payload_words, dtype=torch.int32, device=self.g.device)
         self.t, self.v = codec.encode_payload(layout, self.r, self.g, c.threshold, c.auto_rule,
                                               payload)
-        c.stats_log.sent(scatter_wire.owner_key(bucket.names), bucket.names, self.EXCHANGE,
-                         scatter_wire.rank_bytes(layout, self.nranks, process_set.rank(),
-                                                 self.EXCHANGE),
+        c.stats_log.sent(bucket.key, bucket.names, self.EXCHANGE,
+                         bucket.sent_bytes(self.nranks, process_set.rank(), self.EXCHANGE),
                          lambda: stats.payload_counts(layout, payload.cpu().numpy(), c.threshold),
-                         sum(layout.numels))
+                         bucket.values, bucket.norms)
         self._submit(payload)
 
     def _take(self, bucket, tensors, op, prescale, postscale, process_set, in_place):

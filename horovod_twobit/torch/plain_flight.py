@@ -11,7 +11,6 @@ import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
-from .. import scatter_wire
 from . import progress
 from .flight import Flight
 
@@ -21,12 +20,12 @@ class PlainFlight(Flight):
     EXCHANGE = "plain"
 
     def __init__(self, bucket, tensors, op, prescale, postscale, process_set, in_place):
-        layout, c = bucket.layout, bucket.compressor
+        c = bucket.compressor
         self._take(bucket, tensors, op, prescale, postscale, process_set, in_place)
         self.sum = self.g.to(torch.float32) + self.r  # a new buffer: the gradient is kept
-        values = sum(layout.numels)
-        c.stats_log.sent(scatter_wire.owner_key(bucket.names), bucket.names, self.EXCHANGE,
-                         4 * self.sum.numel(), lambda: (values, 0.0, 0), values)
+        values = bucket.values
+        c.stats_log.sent(bucket.key, bucket.names, self.EXCHANGE, 4 * self.sum.numel(),
+                         lambda: (values, 0.0, 0), values, bucket.norms)
         self.handle = mpi_ops.allreduce_async_(self.sum, name=bucket.names[0] + ".plain", op=op,
                                                prescale_factor=prescale,
                                                postscale_factor=postscale,

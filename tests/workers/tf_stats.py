@@ -56,6 +56,7 @@ def run(threshold, exchange):
         local = train_step(tf.constant(x), tf.constant(y), tf.constant(f))
         for n, g in zip(names, local):
             rec["local/%d/%s" % (step, n)] = g.numpy()
+        rec["bucket_stats/%d" % step] = np.array(json.dumps(c.stats()))  # norms per bucket
         rec["stats/%d" % step] = np.array(json.dumps(c.stats(reset=step == 3, per_tensor=True)))
 
     # Keras: the callback fills logs every batch and at the epoch's end; CSVLogger writes them

@@ -54,6 +54,7 @@ def run(threshold, exchange):
         opt.synchronize()
         for n in names:
             rec["local/%d/%s" % (step, n)] = local[n].numpy().copy()
+        rec["bucket_stats/%d" % step] = np.array(json.dumps(c.stats()))  # norms per bucket
         rec["stats/%d" % step] = np.array(json.dumps(c.stats(reset=step == 3, per_tensor=True)))
         with opt.skip_synchronize():
             if all(bool(torch.isfinite(prm.grad).all()) for prm in model.parameters()):
