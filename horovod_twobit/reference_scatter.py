@@ -11,9 +11,10 @@ sums chunk c of every rank's decoded values:
   ranks' +-t in rank order instead: the same value whenever those partial sums are exact (always
   for N <= 3 and for thresholds with few significant bits such as 0.5), else within an ulp or two.
 - "auto": S, the float32 sum of the ranks' decoded values in rank order (exactly the allgather
-  exchange's sum), is re-encoded by the owner with the automatic threshold over each piece (a
-  segment, i.e. a block of one member, cut to the chunk), with the owner's own residual e:
-  x = e + S is sent as +-v where |x| >= t, and e <- x - q, as a worker does.
+  exchange's sum), is re-encoded by the owner in 3 bits over each piece (a segment, i.e. a block
+  of one member, cut to the chunk), with the owner's own residual e: x = e + S is sent as k * a,
+  a the piece's scale (max |x| / 3, see :func:`owner_scale`) and k = round(x / a) in [-3, 3],
+  and e <- x - k * a (:func:`owner_quantize`).
 
 Then every rank divides by N (Average) and multiplies by the scale factors, as allgather does. A
 member whose gradient held NaN or Inf on any rank is NaN everywhere, and neither its workers'
@@ -23,7 +24,7 @@ residuals nor its owners' change.
 import numpy as np
 
 from . import scatter_wire, wire
-from .reference_codec import auto_levels, quantize
+from .reference_codec import FLT_MIN
 
 
 def signs(codes):
@@ -52,6 +53,54 @@ def unpack_counts(words, nvalues, nranks):
         bits = np.unpackbits(planes[j].view(np.uint8), bitorder="little")
         u |= bits.astype(np.int64) << j
     return u[:nvalues] - nranks
+
+
+def owner_scale(x):
+    """The float32 scale of a piece's values ``x`` (float32): max |x| / 3, at least the smallest
+    normal float32, rounded down to 22 significant bits so that k * a is exact for every code k
+    (3 * a needs at most 24)."""
+    m = np.max(np.abs(x)) if np.size(x) else np.float32(0)
+    a = np.float32(m) / np.float32(scatter_wire.OWNER_LEVELS)
+    a = np.maximum(a, FLT_MIN)  # NaN stays NaN
+    return (np.asarray(a, np.float32).reshape(1).view(np.int32) & ~3).view(np.float32)[0]
+
+
+def owner_quantize(S, e, pieces, bad):
+    """The owner's phase 2 of a chunk: for the chunk's sum ``S`` and its owner residual ``e``
+    (float32, updated in place), the scale of every piece (float32) and the code of every value
+    (int64, in [-3, 3]). ``pieces``: the chunk's (segment, member, start, length, words);
+    ``bad``: each member's NaN/Inf flag. A bad member's pieces get scale 0 and codes 0, and keep
+    their residual. Values in no piece (padding) get code 0."""
+    L = scatter_wire.OWNER_LEVELS
+    scales = np.zeros(len(pieces), np.float32)
+    k = np.zeros(S.size, np.int64)
+    for i, (_, member, start, length, _) in enumerate(pieces):
+        if bad[member]:
+            continue
+        part = slice(start, start + length)
+        x = e[part] + S[part]
+        a = scales[i] = owner_scale(x)
+        k[part] = np.clip(np.rint(x / a), -L, L).astype(np.int64)
+        e[part] = x - k[part].astype(np.float32) * a
+    return scales, k
+
+
+def owner_values(scales, k, pieces):
+    """The decoded float32 values k * a of a chunk (0 outside its pieces)."""
+    out = np.zeros(k.size, np.float32)
+    for a, (_, _, start, length, _) in zip(scales, pieces):
+        out[start:start + length] = k[start:start + length].astype(np.float32) * a
+    return out
+
+
+def owner_payload(scales, k, words):
+    """The body of an owner's "auto" phase-2 payload (int32 words, after the header): its scales'
+    bits, then the 3-bit codes of its ``words`` * 16 values (k + 3 in count planes; codes past
+    ``k`` are 0)."""
+    codes = np.zeros(16 * words, np.int64)
+    codes[:k.size] = k
+    return np.concatenate([np.asarray(scales, np.float32).view(np.int32),
+                           pack_counts(codes, scatter_wire.OWNER_LEVELS)]).astype(np.int32)
 
 
 def exchange(workers, layout, names, grads, op="average", prescale=1.0, postscale=1.0):
@@ -88,14 +137,8 @@ def exchange(workers, layout, names, grads, op="average", prescale=1.0, postscal
             e = w.owner_residuals[c].get(key)
             if e is None or e.size != n:
                 e = w.owner_residuals[c][key] = np.zeros(n, dtype=np.float32)
-            for _, member, start, length, _ in chunks.pieces[c]:
-                if bad[member]:
-                    continue
-                part = slice(start, start + length)
-                t, v = auto_levels(e[part] + S[part], w.rule)
-                codes = quantize(S[part], e[part], t, v)
-                summed[a + start:a + start + length] = np.where(
-                    codes == wire.CODE_POS, v, np.where(codes == wire.CODE_NEG, -v, np.float32(0)))
+            scales, k = owner_quantize(S, e, chunks.pieces[c], bad)
+            summed[a:a + n] = owner_values(scales, k, chunks.pieces[c])
     else:
         summed = sign.sum(axis=0).astype(np.float32) * np.float32(w.threshold)
     if op == "average":

@@ -20,10 +20,17 @@ Phase 2 (``allgather``): every owner sends its summed chunk::
         words); plane j holds bit j of u = count + N for each of the chunk's 16 * wc values, value
         k at bit k % 32 of the plane's word k // 32 (count: the sum of the ranks' codes, -N..N;
         the value is count * t, exactly what every rank sent, nothing lost)
-    "auto": the owner's magnitudes, one per piece (a segment cut to the chunk), then the chunk's
-        2-bit words, encoded from the sum plus the owner's own residual (error feedback)
+    "auto": the owner's scales, one float32 per piece (a segment cut to the chunk), then
+        OWNER_BITS = 3 planes of ceil(wc / 2) words, laid out as the count planes, holding
+        u = k + 3 for each value's k in [-3, 3] (values past the chunk's real ones: k = 0). For
+        x = the sum plus the owner's own residual, a piece's scale is a = max |x| / 3 in float32,
+        rounded down to 22 significant bits (so every k * a is exact) and at least the smallest
+        normal float32; k = round(x / a) (half to even); every rank decodes k * a and the owner
+        keeps x - k * a (error feedback). A member that held NaN or Inf is sent as scale 0 and
+        k = 0 in each of its pieces (every rank makes it NaN).
 
-Header words: 0 ``MAGIC << 16 | FORMAT_VERSION``; 1 flags; 2, 3 the bucket's values (low, high);
+Header words: 0 ``MAGIC << 16 | FORMAT_VERSION`` (this module's, 2 since the 3-bit phase 2;
+the allgather format keeps its own); 1 flags; 2, 3 the bucket's values (low, high);
 4 the threshold as float32 bits (1.0 with FLAG_AUTO); 5 members; 6 the layout's digest; 7 the
 chunk's index; 8 N. Every owner receives every rank's header, so every rank checks the same
 headers and raises the same :class:`~horovod_twobit.wire.PayloadMismatchError`.
@@ -33,9 +40,13 @@ from . import wire
 from .wire import PayloadMismatchError
 
 HEADER_WORDS = 9
+FORMAT_VERSION = 2  # 1: the 2-bit phase 2 of "auto"
 FLAG_SCATTER = 16
 FLAG_REDUCED = 32
 EXCHANGES = ("allgather", "scatter", "auto")
+# "auto"'s phase 2: codes k in [-OWNER_LEVELS, OWNER_LEVELS], packed as the counts of that many
+# ranks (u = k + OWNER_LEVELS in OWNER_BITS planes)
+OWNER_LEVELS = 3
 
 
 def validate_exchange(exchange):
@@ -50,6 +61,9 @@ def validate_exchange(exchange):
 def count_bits(nranks):
     """Bits of a summed code count in [-N, N]: ceil(log2(2N + 1))."""
     return (2 * int(nranks)).bit_length()
+
+
+OWNER_BITS = count_bits(OWNER_LEVELS)
 
 
 def plane_words(words):
@@ -104,7 +118,7 @@ class Chunks:
     def reduced_words(self, c):
         """Length of owner c's phase-2 payload."""
         if self.layout.auto:
-            return HEADER_WORDS + len(self.pieces[c]) + self.words(c)
+            return HEADER_WORDS + len(self.pieces[c]) + OWNER_BITS * plane_words(self.words(c))
         return HEADER_WORDS + self.bits * plane_words(self.words(c))
 
     def header(self, c, threshold, reduced=False):
@@ -114,6 +128,7 @@ class Chunks:
         auto = threshold == "auto"
         flags = FLAG_SCATTER | (FLAG_REDUCED if reduced else 0) | (wire.FLAG_AUTO if auto else 0)
         head = wire.make_header(sum(lay.numels), 1.0 if auto else threshold, flags)
+        head[0] = (wire.MAGIC << 16) | FORMAT_VERSION
         return head + [lay.members, lay.digest, c, self.nranks]
 
     def total_bytes(self):
@@ -209,10 +224,10 @@ def check_headers(headers, names, owner, nranks):
             "%s: ranks %s sent something other than a scatter chunk: every rank must use "
             "TwoBitCompressor with the same exchange, bucket_bytes and model" % (what, bad) + more)
     versions = [h.version for h in headers]
-    if len(set(versions)) != 1 or versions[0] != wire.FORMAT_VERSION:
+    if len(set(versions)) != 1 or versions[0] != FORMAT_VERSION:
         raise PayloadMismatchError(
-            "%s: ranks use payload format versions %s, this rank understands %d: install the same "
-            "horovod-twobit version on every host" % (what, versions, wire.FORMAT_VERSION) + more)
+            "%s: ranks use scatter format versions %s, this rank understands %d: install the "
+            "same horovod-twobit version on every host" % (what, versions, FORMAT_VERSION) + more)
     if all(h.members == 1 for h in headers) and len(set(h.numel for h in headers)) != 1:
         raise PayloadMismatchError(
             "%s: ranks sent tensors of different sizes %s (by rank): the tensor must have the same "

@@ -192,7 +192,8 @@ def _scatter_words(lay, nranks):
             k = bisect.bisect_right(ends, starts[c])
             m = int(k < len(ends) and (ends[k - 1] if k else 0) < starts[c])
         sent += _sw.HEADER_WORDS + fw + m + wc
-        red += _sw.HEADER_WORDS + (m + wc if auto else bits * _sw.plane_words(wc))
+        red += _sw.HEADER_WORDS + (m + _sw.OWNER_BITS * _sw.plane_words(wc) if auto
+                                   else bits * _sw.plane_words(wc))
     return sent, red
 
 

@@ -195,3 +195,69 @@ def test_header_checks_name_the_difference_the_same_way_on_every_owner():
     lay = Layout([40], False)
     assert sw.parse_header(sw.Chunks(lay, 2).header(0, 0.5, reduced=True)) is None
     assert sw.parse_header(sw.Chunks(lay, 2).header(0, 0.5, reduced=True), reduced=True)
+
+
+def test_owner_scale_reaches_the_largest_value_and_every_level_is_exact():
+    rng = np.random.default_rng(3)
+    for x in [rng.standard_normal(37).astype(np.float32) * 10.0 ** rng.integers(-30, 30)
+              for _ in range(200)]:
+        a = rs.owner_scale(x)
+        assert int(a.view(np.int32)) & 3 == 0 and a >= np.finfo(np.float32).tiny
+        m = np.abs(x).max()
+        assert 3 * np.float64(a) <= m and m - 3 * np.float64(a) <= m * 2.0 ** -21
+        for k in range(-3, 4):  # every level is exact in float32
+            assert np.float64(np.float32(k) * a) == k * np.float64(a)
+    assert rs.owner_scale(np.zeros(5, np.float32)) == np.finfo(np.float32).tiny
+
+
+def test_owner_quantize_rounds_to_nearest_level_and_keeps_the_rest():
+    rng = np.random.default_rng(4)
+    S = (rng.standard_normal(96) * rng.choice([0.01, 1.0, 30.0], 96)).astype(np.float32)
+    e = (rng.standard_normal(96) * 0.1).astype(np.float32)
+    x = e + S
+    pieces = [(0, 0, 0, 40, 3), (1, 1, 48, 33, 3)]  # values 40..47 and 81..95: padding
+    e[40:48] = e[81:] = 0
+    S[40:48] = S[81:] = 0
+    before = e.copy()
+    scales, k = rs.owner_quantize(S, e, pieces, [False, False])
+    for a, (_, _, s, n, _) in zip(scales, pieces):
+        part = slice(s, s + n)
+        assert a == rs.owner_scale(x[part])
+        np.testing.assert_array_equal(k[part], np.clip(np.rint(x[part] / a), -3, 3))
+        assert abs(k[part]).max() == 3  # the largest |x| is sent as 3a
+        np.testing.assert_array_equal(e[part], x[part] - k[part].astype(np.float32) * a)
+        assert np.abs(e[part]).max() <= a / 2 * (1 + 1e-6)
+    assert not k[40:48].any() and not k[81:].any() and not e[40:48].any()
+    e2 = before.copy()
+    scales, k = rs.owner_quantize(S, e2, pieces, [False, True])  # member 1 held NaN or Inf
+    assert scales[1] == 0 and not k[48:81].any()
+    np.testing.assert_array_equal(e2[48:81], before[48:81])
+    body = rs.owner_payload(scales, k, 6)
+    assert body.size == 2 + sw.OWNER_BITS * sw.plane_words(6)
+    assert body[:2].view(np.float32).tolist() == scales.tolist()
+    np.testing.assert_array_equal(rs.unpack_counts(body[2:], 96, sw.OWNER_LEVELS), k)
+
+
+def test_auto_phase2_bytes_and_crossover():
+    lay = Layout([1 << 20], True, *wire.validate_blocks("auto"))
+    ch = sw.Chunks(lay, 8)
+    for c in range(8):
+        assert ch.reduced_words(c) == sw.HEADER_WORDS + len(ch.pieces[c]) + 3 * sw.plane_words(ch.words(c))
+    ratio = sw.bytes_per_rank([lay], 8, "scatter") / sw.bytes_per_rank([lay], 8, "allgather")
+    assert 0.30 < ratio <= 0.32
+    small = lambda n: Layout([n], True, *wire.validate_blocks("auto"))  # noqa: E731
+    assert sw.choose("auto", small(256), 8) == "allgather"
+    assert sw.choose("auto", small(257), 8) == "scatter"
+    assert sw.choose("auto", small(496), 4) == "allgather"
+    assert sw.choose("auto", small(497), 4) == "scatter"
+
+
+def test_scatter_format_version_mismatch_is_named():
+    heads = []
+    for r in range(2):
+        h = sw.Chunks(Layout([40], False), 2).header(0, 0.5)
+        if r:
+            h[0] = (wire.MAGIC << 16) | 1  # a 2-bit phase-2 version
+        heads.append(sw.parse_header(h))
+    with pytest.raises(wire.PayloadMismatchError, match=r"scatter format versions \[2, 1\]"):
+        sw.check_headers(heads, ["x"], 0, 2)

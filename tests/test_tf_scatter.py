@@ -160,6 +160,13 @@ def test_exchange_argument_and_owner_residuals():
     c2 = TwoBitCompressor("auto", exchange="scatter")
     c2.load_state_dict(st)
     np.testing.assert_array_equal(c2.owner_residual("b", 5, 0, 1).numpy(), np.full(5, 2.0))
+    old = {k: v for k, v in st.items() if k != "owner_format_version"}  # the 2-bit phase 2's
+    old["residuals"] = {"w": np.full(3, 4.0, np.float32)}
+    with pytest.warns(UserWarning, match="written for scatter format 1 .the 2-bit phase 2.*"
+                      "owners' residuals restart from zero; the workers' residuals are restored"):
+        c2.load_state_dict(old)
+    assert not c2.owner_residual("b", 5, 0, 1).numpy().any()
+    np.testing.assert_array_equal(c2.residuals.state_dict()["w"], np.full(3, 4.0))
     st["rank"], st["size"] = 1, 2
     with pytest.warns(UserWarning, match="rank 1 of 2"):
         c2.load_state_dict(st)

@@ -207,6 +207,14 @@ def test_owner_residuals_follow_rank_and_size_and_checkpoints():
     c2 = TwoBitCompressor("auto", exchange="scatter")
     c2.load_state_dict(st)
     assert torch.equal(c2.owner_residual("b", 5, "cpu", 0, 1), torch.full((5,), 2.0))
+    assert st["owner_format_version"] == 2
+    old = {k: v for k, v in st.items() if k != "owner_format_version"}  # the 2-bit phase 2's
+    old["residuals"] = {"w": torch.full((3,), 4.0)}
+    with pytest.warns(UserWarning, match="written for scatter format 1 .the 2-bit phase 2.*"
+                      "owners' residuals restart from zero; the workers' residuals are restored"):
+        c2.load_state_dict(old)
+    assert len(c2.owners) == 0 and torch.equal(c2.residuals.state_dict()["w"], torch.full((3,), 4.0))
+    assert not c2.owner_residual("b", 5, "cpu", 0, 1).any()
     st["rank"], st["size"] = 1, 2
     with pytest.warns(UserWarning, match="rank 1 of 2"):
         c2.load_state_dict(st)

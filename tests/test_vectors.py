@@ -127,3 +127,56 @@ def test_auto_tensorflow(case):
         words = encode(g, r, float(t), float(v))
         _check_auto_step(step, n, int(tf.bitcast(t, tf.int32)), int(tf.bitcast(v, tf.int32)),
                          words.numpy().tolist(), r.numpy(), decode(words, n, float(v)).numpy())
+
+
+# ---- the scatter exchange's "auto" phase 2 (tests/vectors/owner3.json, make_owner_vectors.py)
+import make_owner_vectors  # noqa: E402
+
+with open(make_owner_vectors.PATH) as _f:
+    OWNER = json.load(_f)
+OWNER_IDS = [c["name"] for c in OWNER["cases"]]
+
+
+def test_owner_file_is_what_the_reference_makes():
+    assert make_owner_vectors.dumps(make_owner_vectors.build()) == make_owner_vectors.dumps(OWNER), \
+        "tests/vectors/owner3.json is stale: run python tests/vectors/make_owner_vectors.py"
+    assert {"ties_half_to_even", "zeros", "nonfinite_member", "pieces_error_feedback"} <= set(OWNER_IDS)
+
+
+def _check_owner_step(step, body, residual, decoded):
+    assert list(body) == step["body"]
+    assert list(body[:len(step["scale_bits"])]) == step["scale_bits"]
+    np.testing.assert_array_equal(bits(residual), bits(f32(step["residual"])))
+    np.testing.assert_array_equal(bits(decoded), bits(f32(step["decoded"])))
+
+
+@pytest.mark.parametrize("case", OWNER["cases"], ids=OWNER_IDS)
+def test_owner_torch(case):
+    torch = pytest.importorskip("torch")
+    from horovod_twobit.torch import owner_codec
+    pieces, n, nw = [tuple(p) for p in case["pieces"]], case["nvalues"], case["words"]
+    e = torch.zeros(n)
+    one = torch.tensor(1.0)
+    for step in case["steps"]:
+        body = owner_codec.owner_encode(pieces, nw, e, torch.from_numpy(f32(step["sum"])), step["bad"])
+        decoded = owner_codec.owner_values(body, pieces, nw, n, one, one)
+        _check_owner_step(step, body.tolist(), e.numpy(), decoded.numpy())
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("case", OWNER["cases"], ids=OWNER_IDS)
+def test_owner_tensorflow(case, graph):
+    """Eagerly and in a tf.function (where Grappler rewrites the graph)."""
+    tf = pytest.importorskip("tensorflow")
+    from horovod_twobit.tensorflow import owner_codec
+    pieces, n, nw = [tuple(p) for p in case["pieces"]], case["nvalues"], case["words"]
+
+    def step_fn(e, S, bad, one):
+        body, e = owner_codec.owner_encode(pieces, nw, e, S, bad)
+        return body, e, owner_codec.owner_values(body, pieces, nw, n, one, one)
+    fn = tf.function(step_fn) if graph else step_fn
+    e = tf.zeros([n])
+    for step in case["steps"]:
+        body, e, decoded = fn(e, tf.constant(f32(step["sum"])), tf.constant(step["bad"]),
+                              tf.constant(1.0))
+        _check_owner_step(step, body.numpy().tolist(), e.numpy(), decoded.numpy())

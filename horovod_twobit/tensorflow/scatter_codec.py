@@ -6,7 +6,8 @@ operations), in three steps.
    ``BucketExchange`` encoded) into N chunk payloads, one per owner, with their splits.
 2. :func:`owner_reduce`: from what the ``alltoall`` delivered, checks every sender's chunk header,
    sums the N chunks of this rank's chunk in rank order and writes the phase-2 payload: count planes
-   (numeric threshold) or the sum re-encoded with the owner's residual ("auto").
+   (numeric threshold) or the sum re-encoded in 3 bits with the owner's residual ("auto",
+   :mod:`owner_codec`).
 3. :func:`finish_reduced`: from what the ``allgather`` delivered, decodes every owner's chunk into
    the result and computes this rank's new residual.
 
@@ -24,8 +25,8 @@ import tensorflow as tf
 
 from .. import scatter_wire as sw
 from .. import wire
-from . import codec, kernels
-from .bucket import grouped_levels, spread
+from . import codec, kernels, owner_codec
+from .bucket import spread
 
 
 def guard(ok, host, inputs):
@@ -99,12 +100,13 @@ def piece_values(chunks, c, per_piece, per_word=False):
     return spread(per_piece, words)[..., :chunks.values(c)]
 
 
-def owner_reduce(chunks, received, splits, names, owner, threshold, rule, residual=None):
+def owner_reduce(chunks, received, splits, names, owner, threshold, rule=None, residual=None):
     """From the alltoall's output ``received`` (one chunk payload per sender, ``splits`` words
     each): (the phase-2 payload of chunk ``owner``, the members' bad flags (a bool tensor, the
     same on every rank), the owner's new residual ("auto", else None)). ``residual``: the owner's
     float32 residual of the chunk's values ("auto"); it keeps its value for pieces of members
-    that held NaN or Inf, and wherever the check failed."""
+    that held NaN or Inf, and wherever the check failed. ``rule`` is not used (phase 2's levels
+    follow each piece's largest value)."""
     N, layout = chunks.nranks, chunks.layout
     sent = chunks.sent_words(owner)
     rows = tf.reshape(fitted(received, N * sent), [N, sent])
@@ -136,28 +138,10 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule, residu
     if S is None or not n:
         S = tf.zeros([n], tf.float32)
     before = tf.reshape(residual, [-1])
-    ts, vs = piece_levels(chunks.pieces[owner], before + S, rule)
-    t, v = piece_values(chunks, owner, ts), piece_values(chunks, owner, vs)
-    packed = codec.pack(codec.codes(before + S, t))
-    keep = piece_values(chunks, owner, tf.gather(bad, np.asarray([p[1] for p in chunks.pieces[owner]], np.int32)))
-    new = tf.where(tf.logical_or(keep, tf.logical_not(checked)), before,
-                   codec.committed(S, before, t, v))
-    payload = tf.concat([reduced, tf.bitcast(vs, tf.int32), packed], 0)
+    body, new = owner_codec.owner_encode(chunks.pieces[owner], wc, before, S, bad)
+    new = tf.where(checked, new, before)
+    payload = tf.concat([reduced, body], 0)
     return tf.where(checked, payload, tf.zeros_like(payload)), bad, new
-
-
-def piece_levels(pieces, x, rule):
-    """Automatic (thresholds, magnitudes) of the chunk-local ``x`` = r + S over each piece (a
-    block cut to the chunk), equal-length pieces in one reduction, each exactly as one tensor."""
-    by_len = {}
-    for i, p in enumerate(pieces):
-        by_len.setdefault(p[3], []).append(i)
-    groups = []
-    for length, ids in sorted(by_len.items()):
-        first = pieces[ids[0]][2]
-        run = all(pieces[k][2] == first + j * length for j, k in enumerate(ids))
-        groups.append((length, ids, first if run else None))
-    return grouped_levels(groups, [p[2] for p in pieces], x, rule)
 
 
 def pack_counts(u, bits):
@@ -232,9 +216,7 @@ def finish_reduced(chunks, gathered, names, threshold, bad, divisor, scale):
         if not n:
             continue
         if layout.auto:
-            k = len(chunks.pieces[c])
-            mags = piece_values(chunks, c, tf.bitcast(body[:k], tf.float32), True)
-            part = codec.values(codec.unpack(body[k:], n), tf.repeat(mags, 16)[:n])
+            part = owner_codec.owner_values(body, chunks.pieces[c], wc, n)
         else:
             part = _counts(body, n, chunks.bits, N) * tf.constant(threshold, tf.float32)
         parts.append(part)

@@ -305,7 +305,7 @@ class TwoBitCompressor(Compressor):
             self.residuals.reset()
         else:
             self.residuals.load_state_dict(residuals)
-            self.owners.load_state_dict(saved.get("owner_residuals", {}))
+            self.owners.load_state_dict(state.owner_residuals_to_load(saved))
             self._owner_of = _rank_size()
 
     def reset(self):

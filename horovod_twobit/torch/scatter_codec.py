@@ -5,7 +5,8 @@ GPU tensors: the communicator reaches the kernels through these three steps.
    encoding of the whole bucket, as the allgather exchange sends it) into N chunk payloads.
 2. :func:`owner_reduce`: after the ``alltoall``, checks every sender's chunk, sums the N payloads
    of this rank's chunk in rank order and writes the phase-2 payload: count planes (numeric
-   threshold) or the sum re-encoded with the owner's residual ("auto").
+   threshold) or the sum re-encoded in 3 bits with the owner's residual ("auto",
+   :mod:`owner_codec`).
 3. :func:`finish_reduced`: after the ``allgather``, commits this rank's error feedback and writes
    the result, decoded from every owner's chunk.
 """
@@ -14,7 +15,7 @@ import torch
 
 from .. import scatter_wire as sw
 from .. import wire
-from . import kernels, levels
+from . import kernels, owner_codec
 
 
 def _cached(chunks, key, make):
@@ -36,8 +37,7 @@ def _headers(chunks, device, threshold):
 def _piece_words(chunks, device):
     """For each chunk, the words of each of its pieces (int64), to expand magnitudes per word."""
     return _cached(chunks, ("pieces", device), lambda: [
-        torch.tensor([p[4] for p in chunks.pieces[c]], dtype=torch.int64, device=device)
-        for c in range(chunks.nranks)])
+        owner_codec.piece_words(chunks.pieces[c], device) for c in range(chunks.nranks)])
 
 
 def _parts(layout, payload):
@@ -69,12 +69,13 @@ def chunk_payloads(chunks, payload, threshold):
     return torch.cat(pieces), splits
 
 
-def owner_reduce(chunks, received, splits, names, owner, threshold, rule, residual=None):
+def owner_reduce(chunks, received, splits, names, owner, threshold, rule=None, residual=None):
     """Phase 2's payload of chunk ``owner`` and the bad member flags (a list of bools, the same on
     every rank), from the ``alltoall``'s output ``received`` (one chunk payload per sender, of
     ``splits`` words). Raises :class:`PayloadMismatchError` with the same message on every rank
     when the senders disagree. With "auto", ``residual`` is this owner's float32 residual of the
-    chunk's values, updated in place except where a member held NaN or Inf."""
+    chunk's values, updated in place except where a member held NaN or Inf. ``rule`` is not used
+    (phase 2's levels follow each piece's largest value)."""
     N, layout = chunks.nranks, chunks.layout
     splits = [int(s) for s in splits]
     offs = [sum(splits[:s]) for s in range(N)]
@@ -102,36 +103,8 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule, residu
     mags = [received[b:b + nm].view(torch.float32) for b in body]
     ts = [torch.repeat_interleave(m, piece_words[owner], output_size=wc) for m in mags]
     S = kernels.decode_sum(rows, ts, nvalues) if wc else residual.new_empty(0)
-    t, v = piece_levels(chunks.pieces[owner], residual, S, rule)
-    t_w = torch.repeat_interleave(t, piece_words[owner], output_size=wc)
-    v_w = torch.repeat_interleave(v, piece_words[owner], output_size=wc)
-    words, _ = kernels.pack(residual, S, t_w)
-    keep = [(p[2], p[3]) for p in chunks.pieces[owner] if bad[p[1]]]
-    saved = [residual[a:a + n].clone() for a, n in keep]
-    kernels.commit(residual, S, t_w, v_w)
-    for (a, n), x in zip(keep, saved):
-        residual[a:a + n].copy_(x)
-    return torch.cat([reduced[owner], v.view(torch.int32), words]), bad
-
-
-def piece_levels(pieces, r, g, rule):
-    """Automatic (thresholds, magnitudes) of r + g over each piece (a block cut to the chunk):
-    pieces of equal length are reduced together, each exactly as :func:`levels.auto_levels`
-    reduces one tensor."""
-    ts = torch.empty(len(pieces), dtype=torch.float32, device=g.device)
-    vs = torch.empty_like(ts)
-    by_len = {}
-    for i, p in enumerate(pieces):
-        by_len.setdefault(p[3], []).append(i)
-    for length, ids in by_len.items():
-        idx = torch.cat([torch.arange(pieces[i][2], pieces[i][2] + length, device=g.device)
-                         for i in ids])
-        t, v = levels.auto_levels(r.index_select(0, idx).view(len(ids), length),
-                                   g.index_select(0, idx).view(len(ids), length), rule)
-        where = torch.tensor(ids, dtype=torch.int64, device=g.device)
-        ts.index_copy_(0, where, t)
-        vs.index_copy_(0, where, v)
-    return ts, vs
+    body = owner_codec.owner_encode(chunks.pieces[owner], wc, residual, S, bad, piece_words[owner])
+    return torch.cat([reduced[owner], body]), bad
 
 
 _LUT = {}
@@ -195,7 +168,8 @@ def pack_counts(u, bits):
     (little-endian: byte k // 8 of the word, bit k % 8 of that byte)."""
     if not u.numel():
         return u.new_empty(0)
-    u = torch.nn.functional.pad(u, (0, (-u.numel()) % 32))
+    if u.numel() % 32:
+        u = torch.nn.functional.pad(u, (0, (-u.numel()) % 32))
     if u.numel() >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled:
         return kernels._run("pack_counts", u, bits)
     js = torch.arange(bits, dtype=torch.int32, device=u.device).view(-1, 1)
@@ -223,7 +197,7 @@ def count_values(words, nvalues, bits, nranks, thr, div, sc):
     operations."""
     if nvalues >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled:
         return kernels._run("count_values", words.view(bits, -1), nranks, thr, div, sc)[:nvalues]
-    return unpack_counts(words, nvalues, bits, nranks) * thr / div * sc
+    return unpack_counts(words, nvalues, bits, nranks) * (thr[:nvalues] if thr.dim() else thr) / div * sc
 
 
 def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out=None):
@@ -240,7 +214,7 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
     if any(h is None or h.chunk != c for c, h in enumerate(heads)):
         raise wire.PayloadMismatchError("tensor %r: owners sent malformed reduced chunks" % names[0])
     spans = [(s, n) for s, n in zip(layout.starts, layout.numels)]
-    fused = not any(bad)  # then each chunk's commit and decode share one pass
+    fused = not any(bad) and not layout.auto  # then each chunk's commit and decode share one pass
     if not fused:  # the commit first, of the members that held no NaN or Inf (it reads g)
         for i, (s, n) in enumerate(spans):
             if not bad[i]:
@@ -263,13 +237,8 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
         tc, vc = kernels.span(t, pos // 16, wc), kernels.span(v, pos // 16, wc)
         into = None if out is None else out[span]
         if layout.auto:
-            k = len(chunks.pieces[c])
-            mags = torch.repeat_interleave(body[:k].view(torch.float32), piece_words[c], output_size=wc)
-            if fused:
-                kernels.finish([body[k:]], [mags], r[span], g[span], tc, div, sc, out=into,
-                               magnitude=vc)
-            else:
-                dest[span].copy_(kernels.decode_sum([body[k:]], [mags], n, div, sc))
+            dest[span].copy_(owner_codec.owner_values(body, chunks.pieces[c], wc, n, div, sc,
+                                                      piece_words[c]))
         elif fused:  # compiled from COMPILE_MIN_NUMEL values, else the same body eagerly
             kernels._call("finish_counts", n, body.view(chunks.bits, -1), N, thr, div, sc, r[span],
                           g[span], kernels._t(tc, dev), kernels._t(vc, dev), into)

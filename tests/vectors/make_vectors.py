@@ -104,16 +104,18 @@ def dumps(data):
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
-def main():
-    text = dumps(build())
+def main(path=PATH, make=None, script="make_vectors.py"):
+    """Writes ``path`` from ``make()`` (default: :func:`build`), or with ``--check`` exits 1 if
+    the file is not what it makes."""
+    text = dumps((make or build)())
     if "--check" in sys.argv[1:]:
-        with open(PATH) as f:
+        with open(path) as f:
             same = f.read() == text
-        print("%s is %s" % (PATH, "up to date" if same else "STALE: run make_vectors.py"))
+        print("%s is %s" % (path, "up to date" if same else "STALE: run %s" % script))
         sys.exit(0 if same else 1)
-    with open(PATH, "w") as f:
+    with open(path, "w") as f:
         f.write(text)
-    print("wrote %s" % PATH)
+    print("wrote %s" % path)
 
 
 if __name__ == "__main__":
