@@ -20,7 +20,8 @@ import time
 
 # the TwoBitCompressor methods: (fixed threshold or "auto", exchange)
 TWOBIT = {"twobit": ("fixed", "allgather"), "auto": ("auto", "allgather"),
-          "scatter": ("fixed", "scatter"), "scatter_auto": ("auto", "scatter")}
+          "scatter": ("fixed", "scatter"), "scatter_auto": ("auto", "scatter"),
+          "twobit_fallback": ("fixed", "allgather"), "auto_fallback": ("auto", "allgather")}
 # about 3x the mean |gradient| of each model at step 0
 THRESHOLDS = {"mlp": 1e-3, "cnn": 1e-2, "resnet": 1e-2, "transformer": 1e-2}
 # models with many small tensors, from examples/bench_buckets.py (its names)
@@ -172,7 +173,9 @@ def horovod_setup(args, methods):
             kind, exchange = TWOBIT[method]
             threshold = args.threshold or THRESHOLDS[args.model]
             compression = TwoBitCompressor(threshold if kind == "fixed" else "auto",
-                                           exchange=exchange, bucket_bytes=args.bucket_bytes)
+                                           exchange=exchange, bucket_bytes=args.bucket_bytes,
+                                           fallback="auto" if method.endswith("_fallback")
+                                           else None)
         else:
             compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
         opt = hvd.DistributedOptimizer(

@@ -55,7 +55,9 @@ HOROVOD_METHODS = {"none": "Horovod, no compression", "fp16": "Horovod, Compress
                    "twobit": "Horovod, TwoBitCompressor",
                    "auto": 'Horovod, TwoBitCompressor("auto")',
                    "scatter": 'Horovod, TwoBitCompressor(exchange="scatter")',
-                   "scatter_auto": 'Horovod, TwoBitCompressor("auto", exchange="scatter")'}
+                   "scatter_auto": 'Horovod, TwoBitCompressor("auto", exchange="scatter")',
+                   "twobit_fallback": 'Horovod, TwoBitCompressor(fallback="auto")',
+                   "auto_fallback": 'Horovod, TwoBitCompressor("auto", fallback="auto")'}
 DDP_METHODS = {"ddp": "DDP, no hook", "ddp_fp16": "DDP, fp16_compress_hook",
                "ddp_quant": "DDP, quantization_pertensor_hook*", "ddp_powersgd": "DDP, powerSGD_hook**"}
 ALL_METHODS = dict(HOROVOD_METHODS, **DDP_METHODS)

@@ -10,10 +10,11 @@ and cycle, measured by a one-value allreduce) plus its bytes at the link's rate.
 of ``n`` float32 values between N ranks sends 2 (N - 1) / N * 4n bytes per rank in one
 collective; the allgather exchange sends the rank's payload to the N - 1 others (one
 collective), the scatter exchange its chunks and reduced chunks (two collectives), by the formats'
-own counts (:func:`horovod_twobit.scatter_wire.rank_bytes`); the codec costs one encode and N
-decode-sums of n values at the measured codec rate. The link and the codec rate are measured once
-per number of ranks by timed collectives of known size, and rank 0's figures are used by every
-rank, so every rank decides alike.
+own counts (:func:`horovod_twobit.scatter_wire.rank_bytes`); the codec costs n values at the
+measured codec rate, timed as this rank's whole codec work of a step: one encode and the
+decode-sum of N payloads. The link and the codec rate are measured once per number of ranks by
+timed collectives and a codec pass of known size, and rank 0's figures are used by every rank,
+so every rank decides alike.
 """
 
 FALLBACKS = (None, "auto", "always")
@@ -29,7 +30,7 @@ def validate_fallback(fallback):
 
 class Link:
     """Measured figures: ``rate`` (bytes/s a rank sends), ``latency`` (seconds per collective),
-    ``codec`` (values/s of one encode or one decode-sum)."""
+    ``codec`` (values/s of a step's codec work: one encode and the decode-sum of N payloads)."""
 
     def __init__(self, rate, latency, codec):
         self.rate, self.latency, self.codec = float(rate), float(latency), float(codec)
@@ -52,7 +53,7 @@ def times(layout, nranks, exchange, link):
         wire_bytes, collectives = (N - 1) / N * sent, 2
     else:
         wire_bytes, collectives = (N - 1) * sent, 1
-    comp = wire_bytes / link.rate + collectives * link.latency + (1 + N) * n / link.codec
+    comp = wire_bytes / link.rate + collectives * link.latency + n / link.codec
     return comp, plain
 
 

@@ -1,7 +1,8 @@
 """The fallback's measurements (:mod:`horovod_twobit.fallback`) in TensorFlow, as the PyTorch
 binding's (:mod:`horovod_twobit.torch.link`): the link, by timed allreduces of known size through
 Horovod, and the codec rate, by one encode and finish of known size; rank 0's figures are
-broadcast, so every rank decides alike. Runs eagerly: an exchange traced inside a
+broadcast, so every rank decides alike. The codec pass is one encode and the decode-sum of N
+payloads. Runs eagerly: an exchange traced inside a
 ``tf.function`` measures under ``tf.init_scope`` while it is being traced, which every rank does
 at the same point of its program."""
 
@@ -27,7 +28,9 @@ def _allreduce_seconds(values, process_set, tag, repeat=3):
     return best
 
 
-def _codec_seconds(compressor):
+def _codec_seconds(compressor, nranks):
+    """Seconds of a step's codec work on _BIG values: one encode, and the decode-sum of
+    ``nranks`` payloads (this rank's, repeated, in the place of the gathered ones)."""
     from .communicator import Exchange
     from .compressor import TwoBitCompressor
     scratch = TwoBitCompressor(compressor.threshold, block=compressor.block,
@@ -36,8 +39,8 @@ def _codec_seconds(compressor):
 
     @tf.function(autograph=False)
     def codec_pass(g):
-        ex = Exchange(scratch, g, "twobit.link", mpi_ops.Sum, 1.0, 1.0, 1)
-        return ex.finish(ex.payload)
+        ex = Exchange(scratch, g, "twobit.link", mpi_ops.Sum, 1.0, 1.0, nranks)
+        return ex.finish(tf.tile(ex.payload, [nranks]))
 
     codec_pass(g).numpy()  # traced once, untimed
     best = float("inf")
@@ -45,7 +48,7 @@ def _codec_seconds(compressor):
         t0 = time.perf_counter()
         codec_pass(g).numpy()
         best = min(best, time.perf_counter() - t0)
-    return best / 2  # one encode and one decode-sum, each about half
+    return best
 
 
 def measure(process_set, compressor):
@@ -59,7 +62,7 @@ def measure(process_set, compressor):
     big = _allreduce_seconds(_BIG, process_set, "big")
     moved = 2 * (N - 1) / max(N, 1) * 4 * _BIG  # bytes each rank sends in a ring allreduce
     rate = moved / max(big - small, 1e-9)
-    codec = _BIG / _codec_seconds(compressor)
+    codec = _BIG / _codec_seconds(compressor, max(N, 1))
     figures = tf.constant([rate, small, codec], tf.float64)
     figures = mpi_ops.broadcast(figures, 0, name="twobit.link.figures", process_set=process_set)
     return Link(*figures.numpy().tolist())

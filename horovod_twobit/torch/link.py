@@ -1,6 +1,6 @@
 """The fallback's measurements (:mod:`horovod_twobit.fallback`): the link, by timed allreduces of
-known size through Horovod, and the codec rate, by one encode and finish of known size on this
-device; rank 0's figures are broadcast, so every rank decides alike."""
+known size through Horovod, and the codec rate, by one encode and the decode-sum of N payloads of
+known size on this device; rank 0's figures are broadcast, so every rank decides alike."""
 
 import time
 
@@ -25,7 +25,9 @@ def _allreduce_seconds(values, process_set, device, tag, repeat=3):
     return best
 
 
-def _codec_seconds(device, threshold):
+def _codec_seconds(device, threshold, nranks):
+    """Seconds of a step's codec work on _BIG values: one encode, and the decode-sum of
+    ``nranks`` payloads (this rank's, repeated, in the place of the gathered ones)."""
     from . import codec
     layout = Layout([_BIG], threshold == "auto")
     g = torch.randn(_BIG, device=device)
@@ -33,14 +35,15 @@ def _codec_seconds(device, threshold):
     payload = torch.empty(layout.payload_words, dtype=torch.int32, device=device)
     best = float("inf")
     for _ in range(3):
+        g2 = g.clone()
         t0 = time.perf_counter()
-        t, v = codec.encode_payload(layout, r, g, 0.5 if threshold == "auto" else threshold,
-                                    "lsq", payload)
-        codec.finish_payload(layout, payload, 1, ["twobit.link"], r, g.clone(), t, v, 1, 1.0)
+        t, v = codec.encode_payload(layout, r, g2, threshold, "lsq", payload)
+        codec.finish_payload(layout, payload.repeat(max(nranks, 1)), max(nranks, 1),
+                             ["twobit.link"], r, g2, t, v, nranks, 1.0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
-    return best / 2  # one encode and one decode-sum, each about half
+    return best
 
 
 def measure(process_set, device, threshold):
@@ -51,7 +54,7 @@ def measure(process_set, device, threshold):
     moved = 2 * (N - 1) / max(N, 1) * 4 * _BIG  # bytes each rank sends in a ring allreduce
     latency = small  # one collective of next to no bytes
     rate = moved / max(big - small, 1e-9)
-    codec = _BIG / _codec_seconds(device, threshold)
+    codec = _BIG / _codec_seconds(device, threshold, N)
     figures = torch.tensor([rate, latency, codec], dtype=torch.float64)
     figures = mpi_ops.broadcast(figures, 0, name="twobit.link.figures", process_set=process_set)
     return Link(*figures.tolist())
