@@ -194,3 +194,24 @@ def test_compiled_count_planes_match_reference(n, size):
     np.testing.assert_array_equal(scatter_codec.unpack_counts(words, size, bits, n).numpy(),
                                   c.astype(np.float32))
 
+
+
+def test_owner_encode_benchmark_times_both_encodes_of_one_chunk():
+    """horovod_twobit.benchmarks.owner_encode: the 2-bit baseline is the format-1 owner's encode
+    (its levels are levels.auto_levels' of each piece, its words kernels.pack's), and both
+    encodes are timed on the same chunk."""
+    from horovod_twobit.benchmarks import owner_encode
+    from horovod_twobit.torch import kernels, levels, owner_codec
+    lay = Layout([4096 * 4], True, *wire.validate_blocks("auto"))
+    chunks = sw.Chunks(lay, 4)
+    pieces, wc, nv = chunks.pieces[1], chunks.words(1), chunks.values(1)
+    S, r = torch.randn(nv), torch.zeros(nv)
+    body = owner_encode.encode_2bit(pieces, owner_codec.piece_words(pieces, "cpu"), wc, r, S)
+    for i, (_, _, s, n, _) in enumerate(pieces):
+        t, v = levels.auto_levels(torch.zeros(n), S[s:s + n], "lsq")
+        assert body[i].view(torch.float32) == v
+    t, v = levels.auto_levels(torch.zeros(pieces[0][3]), S[:pieces[0][3]], "lsq")
+    words, _ = kernels.pack(torch.zeros(16 * pieces[0][4]), S[:16 * pieces[0][4]], t)
+    assert torch.equal(body[len(pieces):len(pieces) + pieces[0][4]], words)
+    t2, t3, k = owner_encode.measure(4096, 4)
+    assert t2 > 0 and t3 > 0 and k == len(pieces)

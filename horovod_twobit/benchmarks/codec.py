@@ -2,6 +2,7 @@
 
     python -m horovod_twobit.benchmarks.codec [--sizes 1K,64K,1M,16M,64M] [--ranks 2]
         [--device cpu,cuda] [--frameworks torch,tensorflow] [--paths compiled,eager]
+    python -m horovod_twobit.benchmarks.codec --owner [--sizes 64K,1M,4M] [--ranks 8]
 
 For each framework, size and device it prints, in GB/s of float32 gradient (4 bytes per value):
 - encode: what a rank does before the gather (``quantize_pack``: read g and r, threshold, write
@@ -126,12 +127,19 @@ def _tf_gpu():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1K,64K,1M,16M,64M")
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", type=int, help="payloads summed (default 2; with --owner: 8)")
     p.add_argument("--device", default="cpu,cuda")
     p.add_argument("--paths", default="compiled,eager")
     p.add_argument("--frameworks", default="torch,tensorflow")
     p.add_argument("--markdown", help="also write the table to this file")
+    p.add_argument("--owner", action="store_true",
+                   help="instead: the scatter exchange's owner encode, 3-bit against 2-bit "
+                        "(horovod_twobit.benchmarks.owner_encode; --ranks default 8)")
     args = p.parse_args(argv)
+    if args.owner:
+        from .owner_encode import table
+        return table(args.sizes.split(","), args.ranks or 8)
+    args.ranks = args.ranks or 2
     devices = [torch.device(d) for d in args.device.split(",")
                if d != "cuda" or torch.cuda.is_available()]
     rows = []
