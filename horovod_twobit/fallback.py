@@ -30,14 +30,25 @@ def validate_fallback(fallback):
 
 class Link:
     """Measured figures: ``rate`` (bytes/s a rank sends), ``latency`` (seconds per collective),
-    ``codec`` (values/s of a step's codec work: one encode and the decode-sum of N payloads)."""
+    ``codec`` (values/s of a step's codec work: one encode and the decode-sum of N payloads) and
+    ``codec_fixed`` (seconds that work costs a bucket whatever its size: the calls, the levels'
+    reductions, the launches)."""
 
-    def __init__(self, rate, latency, codec):
+    def __init__(self, rate, latency, codec, codec_fixed=0.0):
         self.rate, self.latency, self.codec = float(rate), float(latency), float(codec)
+        self.codec_fixed = float(codec_fixed)
 
     def __repr__(self):
-        return "Link(%.3g bytes/s, %.3g s/collective, codec %.3g values/s)" % (
-            self.rate, self.latency, self.codec)
+        return "Link(%.3g bytes/s, %.3g s/collective, codec %.3g values/s + %.3g s/bucket)" % (
+            self.rate, self.latency, self.codec, self.codec_fixed)
+
+
+def codec_figures(seconds, big, small):
+    """(values/s, fixed seconds per bucket) from a codec pass timed on ``big`` and on ``small``
+    values (``seconds(n)``)."""
+    t_big, t_small = seconds(big), seconds(small)
+    rate = big / max(t_big, 1e-12)
+    return rate, max(0.0, t_small - small / rate)
 
 
 def times(layout, nranks, exchange, link):
@@ -53,7 +64,8 @@ def times(layout, nranks, exchange, link):
         wire_bytes, collectives = (N - 1) / N * sent, 2
     else:
         wire_bytes, collectives = (N - 1) * sent, 1
-    comp = wire_bytes / link.rate + collectives * link.latency + n / link.codec
+    comp = (wire_bytes / link.rate + collectives * link.latency + n / link.codec
+            + link.codec_fixed)
     return comp, plain
 
 

@@ -22,7 +22,7 @@ def _ranks(tmp_path_factory, framework, index):
     def job():
         out = tmp_path_factory.mktemp("fallback")
         res = jobs.run(2, "%s_fallback.py" % framework, "--out", out, "--configs", *CONFIGS,
-                       timeout=300)
+                       timeout=600)
         return res, out
     res, out = jobs.shared(("fallback", framework), job)
     return res, sim.load_ranks(str(out / str(index)), 2)
@@ -95,3 +95,20 @@ def test_model_decides_by_bytes_and_codec():
     # plain: 4 MB at 12.5 MB/s and one collective; compressed: about a sixteenth of the bytes
     assert plain == pytest.approx(4 * (1 << 20) / 12.5e6 + 1e-3)
     assert comp < plain / 10
+
+
+def test_fixed_codec_cost_decides_small_buckets():
+    """A bucket small enough that its codec's fixed cost outweighs the bytes saved goes plain;
+    the fixed cost is what a pass on few values costs beyond its share of the per-value rate."""
+    from horovod_twobit.fallback import Link, codec_figures, compress_pays
+    from horovod_twobit.layout import Layout
+    rate, fixed = codec_figures(lambda n: 1e-4 + n / 1e8, 1 << 20, 1 << 10)
+    assert rate == pytest.approx((1 << 20) / (1e-4 + (1 << 20) / 1e8))
+    assert fixed == pytest.approx(1e-4 + (1 << 10) / 1e8 - (1 << 10) / rate)
+    small, big = Layout([1000]), Layout([1 << 20])
+    link = Link(rate=125e6, latency=1e-4, codec=1e9)  # 1 Gbit/s
+    assert compress_pays(small, 4, "allgather", link) and compress_pays(big, 4, "allgather", link)
+    link = Link(rate=125e6, latency=1e-4, codec=1e9, codec_fixed=2e-4)
+    assert not compress_pays(small, 4, "allgather", link)
+    assert compress_pays(big, 4, "allgather", link)
+    assert "s/bucket" in repr(link)

@@ -12,9 +12,10 @@ import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 
-from ..fallback import Link
+from ..fallback import Link, codec_figures
 
 _BIG = 1 << 20  # values of the timed allreduce (4 MB) and of the timed codec pass
+_SMALL = 1 << 10  # values of the codec pass that tells its fixed cost per bucket
 
 
 def _allreduce_seconds(values, process_set, tag, repeat=3):
@@ -28,14 +29,14 @@ def _allreduce_seconds(values, process_set, tag, repeat=3):
     return best
 
 
-def _codec_seconds(compressor, nranks):
-    """Seconds of a step's codec work on _BIG values: one encode, and the decode-sum of
+def _codec_seconds(compressor, nranks, values):
+    """Seconds of a step's codec work on ``values`` values: one encode, and the decode-sum of
     ``nranks`` payloads (this rank's, repeated, in the place of the gathered ones)."""
     from .communicator import Exchange
     from .compressor import TwoBitCompressor
     scratch = TwoBitCompressor(compressor.threshold, block=compressor.block,
                                blocks=compressor.blocks, bucket_bytes=0)
-    g = tf.random.stateless_normal([_BIG], seed=[1, 2])
+    g = tf.random.stateless_normal([values], seed=[1, 2])
 
     @tf.function(autograph=False)
     def codec_pass(g):
@@ -44,7 +45,7 @@ def _codec_seconds(compressor, nranks):
 
     codec_pass(g).numpy()  # traced once, untimed
     best = float("inf")
-    for _ in range(3):
+    for _ in range(3 if values >= _BIG else 7):
         t0 = time.perf_counter()
         codec_pass(g).numpy()
         best = min(best, time.perf_counter() - t0)
@@ -62,7 +63,7 @@ def measure(process_set, compressor):
     big = _allreduce_seconds(_BIG, process_set, "big")
     moved = 2 * (N - 1) / max(N, 1) * 4 * _BIG  # bytes each rank sends in a ring allreduce
     rate = moved / max(big - small, 1e-9)
-    codec = _BIG / _codec_seconds(compressor, max(N, 1))
-    figures = tf.constant([rate, small, codec], tf.float64)
+    codec = codec_figures(lambda n: _codec_seconds(compressor, max(N, 1), n), _BIG, _SMALL)
+    figures = tf.constant([rate, small, *codec], tf.float64)
     figures = mpi_ops.broadcast(figures, 0, name="twobit.link.figures", process_set=process_set)
     return Link(*figures.numpy().tolist())

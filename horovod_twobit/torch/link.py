@@ -8,10 +8,11 @@ import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
-from ..fallback import Link
+from ..fallback import Link, codec_figures
 from ..layout import Layout
 
 _BIG = 1 << 20  # values of the timed allreduce (4 MB) and of the timed codec pass
+_SMALL = 1 << 10  # values of the codec pass that tells its fixed cost per bucket
 
 
 def _allreduce_seconds(values, process_set, device, tag, repeat=3):
@@ -25,16 +26,16 @@ def _allreduce_seconds(values, process_set, device, tag, repeat=3):
     return best
 
 
-def _codec_seconds(device, threshold, nranks):
-    """Seconds of a step's codec work on _BIG values: one encode, and the decode-sum of
+def _codec_seconds(device, threshold, nranks, values):
+    """Seconds of a step's codec work on ``values`` values: one encode, and the decode-sum of
     ``nranks`` payloads (this rank's, repeated, in the place of the gathered ones)."""
     from . import codec
-    layout = Layout([_BIG], threshold == "auto")
-    g = torch.randn(_BIG, device=device)
-    r = torch.zeros(_BIG, device=device)
+    layout = Layout([values], threshold == "auto")
+    g = torch.randn(values, device=device)
+    r = torch.zeros(values, device=device)
     payload = torch.empty(layout.payload_words, dtype=torch.int32, device=device)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(3 if values >= _BIG else 7):  # the first small one may compile
         g2 = g.clone()
         t0 = time.perf_counter()
         t, v = codec.encode_payload(layout, r, g2, threshold, "lsq", payload)
@@ -54,7 +55,7 @@ def measure(process_set, device, threshold):
     moved = 2 * (N - 1) / max(N, 1) * 4 * _BIG  # bytes each rank sends in a ring allreduce
     latency = small  # one collective of next to no bytes
     rate = moved / max(big - small, 1e-9)
-    codec = _BIG / _codec_seconds(device, threshold, N)
-    figures = torch.tensor([rate, latency, codec], dtype=torch.float64)
+    codec = codec_figures(lambda n: _codec_seconds(device, threshold, N, n), _BIG, _SMALL)
+    figures = torch.tensor([rate, latency, *codec], dtype=torch.float64)
     figures = mpi_ops.broadcast(figures, 0, name="twobit.link.figures", process_set=process_set)
     return Link(*figures.tolist())
