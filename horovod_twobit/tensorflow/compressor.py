@@ -237,8 +237,9 @@ class TwoBitCompressor(Compressor, tf.Module):
         (no host round trip); reading fetches them. ``reset=True`` clears the running sums
         after reading them. :class:`horovod_twobit.tensorflow.TwoBitStatsCallback` puts them in
         Keras' logs."""
-        return self._plain.stats.snapshot(residual_norms(self.residuals), self._threshold,
-                                          per_tensor, reset)
+        if getattr(self._plain, "norms", None) is None:
+            self._plain.norms = residual_norms(self.residuals)  # keeps its traced reader
+        return self._plain.stats.snapshot(self._plain.norms, self._threshold, per_tensor, reset)
 
     def state_dict(self):
         """This rank's residuals (NumPy copies) keyed by tensor name, with the threshold, rank and

@@ -91,14 +91,37 @@ class Slots:
 
 def residual_norms(residuals):
     """The ``residual_norms`` function of :func:`horovod_twobit.stats.summarize` for a
-    compressor's :class:`~horovod_twobit.tensorflow.residuals.Residuals`."""
+    compressor's :class:`~horovod_twobit.tensorflow.residuals.Residuals`: one traced call reads
+    every residual asked for and returns their (sum of squares in float64, max |r|), one host
+    transfer for all of them."""
+    fns = {}
+
     def norms(names):
-        out = {}
+        found = []
         for n in names:
             try:
-                r = residuals.variable(n).numpy().astype(np.float64)
+                found.append((n, residuals.variable(n)))
             except KeyError:  # not made yet (restored, never used)
                 continue
-            out[n] = (float((r * r).sum()), float(np.abs(r).max()) if r.size else 0.0)
-        return out
+        if not found:
+            return {}
+        key = tuple((n, id(v)) for n, v in found)
+        fn = fns.get(key)
+        if fn is None:
+            fns.clear()  # residuals were made or replaced: the old function is stale
+            fn = fns[key] = _norms_fn([v for _, v in found])
+        values = fn().numpy()
+        return {n: (float(values[i, 0]), float(values[i, 1])) for i, (n, _) in enumerate(found)}
     return norms
+
+
+def _norms_fn(variables):
+    @tf.function(autograph=False)
+    def read():
+        rows = []
+        for v in variables:
+            x = tf.cast(tf.reshape(v.read_value(), [-1]), tf.float64)
+            mx = tf.reduce_max(tf.abs(x)) if x.shape.num_elements() else tf.constant(0.0, tf.float64)
+            rows.append(tf.stack([tf.reduce_sum(x * x), mx]))
+        return tf.stack(rows)
+    return read
