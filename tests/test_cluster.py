@@ -126,7 +126,8 @@ def test_bytes_on_the_wire_match_the_format(vc, tmp_path):
 @pytest.mark.timeout(300)
 def test_scatter_bytes_on_the_wire_match_the_format(vc, tmp_path):
     """4 hosts: each host sends what the scatter exchange's format predicts, 0.75 (numeric) and
-    0.5 ("auto") of the allgather exchange's bytes (README's table)."""
+    about 0.63 ("auto": 2-bit chunks, a 3-bit phase 2) of the allgather exchange's bytes
+    (README's table)."""
     n, t = 4, 0.01
     ranks = _bytes_job(vc, tmp_path, n, ["twobit", "scatter", "scatter_auto"])
     numels = ranks[0]["twobit"]["numels"]
@@ -142,7 +143,7 @@ def test_scatter_bytes_on_the_wire_match_the_format(vc, tmp_path):
         for k, want in predicted.items():
             assert abs(r[k]["tx"] / r[k]["steps"] / want - 1) < 0.10, report
     assert predicted["scatter"] < 0.8 * predicted["twobit"]
-    assert predicted["scatter_auto"] < 0.55 * predicted["twobit"]
+    assert predicted["scatter_auto"] < 0.67 * predicted["twobit"]
 
 
 @pytest.mark.timeout(300)
