@@ -5,6 +5,13 @@ variables are read into one flat buffer, the codec's passes run once over it, an
 slice of the new residual is assigned back to its variable: every member keeps its own residual,
 threshold and blocks, and its result is what it would get alone, bit for bit. A member whose
 gradient held NaN or Inf on any rank gets NaN on every rank and keeps its residual.
+
+A bucket costs a fixed number of graph ops, whatever its number of members: the encode (the flat
+buffers, the "auto" levels of every segment, the codes, the packing, the members' NaN/Inf flags
+and the payload) is one body, and the finish (the members' flags, the decode and rank-order sum
+of every payload, the division and scale, the error-feedback commit and the members' results,
+split and reshaped) another (:mod:`horovod_twobit.tensorflow.bucket_passes`). What remains per
+member is reading and assigning its residual variable, and its reshapes.
 """
 
 import functools
@@ -16,7 +23,8 @@ import horovod.tensorflow.mpi_ops as mpi_ops
 
 from .. import wire
 from ..layout import Layout
-from . import codec, kernels
+from . import codec
+from .bucket_passes import passes_of, plan_of
 
 
 def layout_of(compressor, keys, tensors):
@@ -55,112 +63,85 @@ def spread(x, words, per_word=wire.VALUES_PER_WORD, axis=-1):
     return x if reps == 1 else tf.repeat(x, reps, axis=axis)
 
 
-def segment_levels(layout, x, rule):
-    """(thresholds, magnitudes) of every segment of an "auto" layout, from the flat float32 r + g:
-    equal-length segments in one reduction each, exactly as one tensor or block is reduced."""
-    return grouped_levels(layout.groups, layout.seg_starts, x, rule)
-
-
-def grouped_levels(groups, starts, x, rule):
-    """(thresholds, magnitudes) of segments of ``x`` (segment k starts at ``starts[k]``), from
-    ``groups`` of equal-length segments: (length, segment ids, contiguous start or None)."""
-    name, k = wire.parse_rule(rule)
-    ts, vs, order = [], [], []
-    for length, ids, start in groups:
-        if not length:
-            t = v = tf.ones([len(ids)], tf.float32)
-        else:
-            if start is not None:
-                rows = x[start:start + len(ids) * length]
-            else:
-                idx = np.concatenate([np.arange(starts[i], starts[i] + length)
-                                      for i in ids]).astype(np.int32)
-                rows = tf.gather(x, idx)
-            t, v = codec._row_levels(tf.reshape(rows, [len(ids), length]), name, k)
-        ts.append(t)
-        vs.append(v)
-        order += ids
-    if not ts:
-        return tf.zeros([0], tf.float32), tf.zeros([0], tf.float32)
-    perm = np.argsort(np.asarray(order), kind="stable").astype(np.int32)
-    if len(ts) == 1 and order == sorted(order):
-        return ts[0], vs[0]
-    return tf.gather(tf.concat(ts, 0), perm), tf.gather(tf.concat(vs, 0), perm)
+def split(lay, flat):
+    """Each member's 1-D slice of a flat buffer, in one op (slices of its memory, not copies). A
+    layout of one member has no padding (its flat buffer is the tensor's values)."""
+    if lay.single:
+        return [flat]
+    sizes, keep = [], []
+    for n, w in zip(lay.numels, lay.member_words):
+        keep.append(len(sizes))
+        sizes.append(n)
+        if 16 * w > n:
+            sizes.append(16 * w - n)
+    parts = tf.split(flat, sizes)
+    return [parts[i] for i in keep]
 
 
 class BucketExchange:
-    """Several tensors' part of one collective: the payload, and what is needed to finish it."""
+    """Several tensors' part of one collective: the payload, and what is needed to finish it.
+
+    ``threshold`` and ``magnitude`` (the per-value levels the scatter exchange's finish takes) are
+    made only when asked for."""
 
     def __init__(self, compressor, tensors, keys, op, prescale, postscale, nranks):
         self.layout = lay = layout_of(compressor, keys, tensors)
+        self.plan = plan_of(compressor, lay)
         self.tensors, self.keys = list(tensors), list(keys)
         self.op, self.nranks = op, int(nranks)
         self.scale = float(prescale) * float(postscale)
         self.residuals = [compressor.residuals.get(k, t) for k, t in zip(keys, tensors)]
-        self.before = _flat(lay, [tf.reshape(r.read_value(), [-1]) for r in self.residuals])
-        self.grad = _flat(lay, [codec._flat32(t) for t in tensors])
-        head = lay.header(compressor.threshold)
-        self.head = head
-        mags = []
-        if lay.auto:
-            ts, vs = segment_levels(lay, self.before + self.grad, compressor.auto_rule)
-            self.threshold, self.magnitude = spread(ts, lay.seg_words), spread(vs, lay.seg_words)
-            mags = [tf.bitcast(vs, tf.int32)]
-        else:
-            self.threshold = self.magnitude = compressor.threshold
-        words, nonfinite = kernels.encode(self.grad, self.before, self.threshold)
-        # one flags byte per member: whether its gradient held NaN or Inf
-        finite = tf.reduce_all(tf.reshape(tf.math.is_finite(self.grad), [lay.words, 16]), 1)
-        member_of_word = np.repeat(np.arange(lay.members), lay.member_words).astype(np.int32)
-        bad = tf.logical_not(tf.cast(tf.math.unsorted_segment_min(
-            tf.cast(finite, tf.int32), member_of_word, lay.members), tf.bool))
-        fw = wire.flag_words(lay.members)
-        member_bytes = tf.pad(tf.cast(bad, tf.uint8), [[0, 4 * fw - lay.members]])
-        flags = tf.bitwise.bitwise_or(tf.cast(nonfinite, tf.int32) * wire.FLAG_NONFINITE, head[1])
-        self.payload = tf.concat(
-            [tf.constant(head[:1], tf.int32), tf.reshape(flags, [1]),
-             tf.constant(head[2:], tf.int32), tf.bitcast(tf.reshape(member_bytes, [fw, 4]),
-                                                         tf.int32)] + mags + [words], 0)
+        self.head = head = lay.header(compressor.threshold)
+        self.passes = passes_of(compressor, lay, self.plan, head, op == mpi_ops.Average,
+                                self.scale)
+        with tf.name_scope("twobit_encode"):
+            self.befores = [r.read_value() for r in self.residuals]
+            self.grad = _flat(lay, [codec._flat32(t) for t in self.tensors])
+            self.before = _flat(lay, [tf.reshape(r, [-1]) for r in self.befores])
+            self.fixed = None if lay.auto else tf.constant(compressor.threshold, tf.float32)
+            # the levels' divisors, from outside the compiled body (see the module docstring)
+            lengths = tf.constant(self.plan.lengths, tf.float64) if lay.auto else None
+            self.payload, self.ts, self.vs = self.passes.encode(self.grad, self.before,
+                                                                self.fixed, lengths)
+
+    @property
+    def threshold(self):
+        if self.layout.auto:
+            return spread(self.ts, self.layout.seg_words)
+        return self.fixed
+
+    @property
+    def magnitude(self):
+        if self.layout.auto:
+            return spread(self.vs, self.layout.seg_words)
+        return self.fixed
 
     def finish(self, gathered):
         """Checks, decodes and sums the gathered payloads; commits the residuals; returns the
         results (each tensor's shape and dtype)."""
         lay, nranks = self.layout, self.nranks
-        fitted, checked = _validated(gathered, lay, self.head, nranks, self.keys)
-        rows = tf.reshape(fitted, [nranks, lay.payload_words])
-        fw = wire.flag_words(lay.members)
-        raw = tf.bitcast(rows[:, wire.BUCKET_HEADER_WORDS:lay.head_words], tf.uint8)
-        member_bad = tf.reduce_any(tf.not_equal(tf.reshape(raw, [nranks, 4 * fw])[:, :lay.members],
-                                                0), 0)
-        bad = spread(tf.logical_or(member_bad, tf.logical_not(checked)), lay.member_words)
-        if lay.auto:
-            mags = tf.bitcast(rows[:, lay.head_words:lay.body], tf.float32)
-            ts = spread(mags, lay.seg_words, per_word=1, axis=1)
-        else:
-            ts = tf.fill([nranks], tf.constant(self.threshold, tf.float32))
-        if self.op == mpi_ops.Average:  # a run-time divisor (see communicator.Exchange.finish)
-            count = tf.cast(tf.size(gathered) // lay.payload_words, tf.float32)
-        else:
-            count = tf.constant(1.0, tf.float32)
-        out, new = kernels.finish(rows[:, lay.body:], ts, bad, count, self.grad, self.before,
-                                  self.threshold, self.op == mpi_ops.Average, self.scale,
-                                  self.magnitude)
-        return commit(lay, self.residuals, new, self.tensors, out)
+        with tf.name_scope("twobit_finish"):
+            fitted, checked = _validated(gathered, lay, self.head, nranks, self.keys)
+            rows = tf.reshape(fitted, [nranks, lay.payload_words])
+            if self.op == mpi_ops.Average:  # a run-time divisor (see communicator.Exchange.finish)
+                count = tf.cast(tf.size(gathered) // lay.payload_words, tf.float32)
+            else:
+                count = tf.constant(1.0, tf.float32)
+            out, new = self.passes.finish(rows, checked, count, self.grad, self.before,
+                                          self.fixed, self.ts, self.vs)
+            return commit(lay, self.residuals, new, self.tensors, out)
 
 
 def commit(lay, residuals, new, tensors, out):
     """Assigns each member's slice of the flat ``new`` to its residual variable; returns each
     member's slice of the flat result ``out`` (its tensor's shape and dtype), after the updates."""
-    updates = [r.assign(tf.reshape(new[s:s + n], r.shape))
-               for r, s, n in zip(residuals, lay.starts, lay.numels)]
+    updates = [r.assign(tf.reshape(n, r.shape)) for r, n in zip(residuals, split(lay, new))]
     results = []
+    for t, res in zip(tensors, split(lay, out)):
+        res = tf.reshape(res, t.shape)
+        results.append(res if res.dtype == t.dtype else tf.cast(res, t.dtype))
     with tf.control_dependencies(updates):
-        for t, s, n in zip(tensors, lay.starts, lay.numels):
-            res = tf.reshape(out[s:s + n], t.shape)
-            if res.dtype != t.dtype:
-                res = tf.cast(res, t.dtype)
-            results.append(tf.identity(res))
-    return results
+        return tf.identity_n(results)
 
 
 def _validated(gathered, lay, head, nranks, keys):

@@ -102,11 +102,15 @@ def _compensated(residual, grad):
     return r + _flat32(tf.convert_to_tensor(grad))
 
 
-def _row_levels(x, rule, k):
-    """(thresholds, magnitudes), float32, one per row of the float32 ``x`` (rows, m > 0)."""
+def _row_levels(x, rule, k, count=None, unrolled=False):
+    """(thresholds, magnitudes), float32, one per row of the float32 ``x`` (rows, m > 0).
+    ``count``: the rows' lengths as a float64 tensor (inside an XLA body, a run-time value keeps
+    XLA from turning the division into a multiplication by a reciprocal); default: m.
+    ``unrolled``: ``lsq`` as one reduction per candidate (the form for XLA bodies)."""
     a = tf.cast(tf.abs(x), tf.float64)
     total = tf.reduce_sum(a * a if rule == "rms" else a, axis=-1)
-    count = tf.cast(tf.shape(x, out_type=tf.int64)[-1], tf.float64)
+    if count is None:
+        count = tf.cast(tf.shape(x, out_type=tf.int64)[-1], tf.float64)
     # Not total / count: inside a tf.function Grappler turns a division by a constant into a
     # multiplication by its reciprocal, which is not the correctly rounded quotient NumPy computes.
     # DivNoNan is left alone (and count > 0 here).
@@ -121,11 +125,20 @@ def _row_levels(x, rule, k):
             errs = tf.stack([tf.reduce_sum(tf.where(a >= c, tf.square(a - c), a * a), -1)
                              for c in cuts], -1)
             t = v = tf.gather(ts, tf.argmin(errs, -1), batch_dims=1)
+        elif unrolled:
+            # one reduction per candidate, written out: inside an XLA body each is one loop over
+            # the values, 2.5x faster than the broadcast below (which XLA loops over once per
+            # candidate and row with a float64 temporary); counts in int32, exact
+            sent = [a >= ts[:, i:i + 1] for i in range(len(OPT_MULTIPLES))]
+            counts = tf.cast(tf.stack([tf.reduce_sum(tf.cast(s, tf.int32), -1) for s in sent], -1),
+                             tf.float64)
+            sums = tf.stack([tf.reduce_sum(tf.where(s, a, tf.zeros_like(a)), -1) for s in sent], -1)
         else:
             # every candidate in one broadcast comparison (rows, multiples, m): a handful of ops
             sent = a[:, None, :] >= ts[:, :, None]
             counts = tf.reduce_sum(tf.cast(sent, tf.float64), -1)
             sums = tf.reduce_sum(tf.where(sent, a[:, None, :], tf.zeros_like(a[:, None, :])), -1)
+        if rule == "lsq":
             best = tf.argmax(tf.math.divide_no_nan(sums * sums, counts), -1)  # 0 where nothing is sent
             t = tf.gather(ts, best, batch_dims=1)
             c, s = tf.gather(counts, best, batch_dims=1), tf.gather(sums, best, batch_dims=1)
