@@ -6,6 +6,9 @@ Models (both frameworks):
                BatchNorm, 32 channels, 16x16 inputs (53 parameter tensors in PyTorch)
   transformer  a transformer encoder: 8 layers, d_model 64, 4 heads, LayerNorms and biases
                (99 parameter tensors in PyTorch)
+  mlp          a small MLP: 128 inputs, 25 hidden Dense / Linear layers of 128 units with ReLU and
+               a 10-way output layer (52 parameter tensors, 0.42 M parameters); use ``--batch 64``
+               for a step of a few milliseconds, where a fixed per-step cost shows most
 Methods: none, fp16 (Horovod's Compression.fp16), twobit (TwoBitCompressor(0.01)) and auto
 (TwoBitCompressor("auto")), the last two bucketed (the default) and alone (bucket_bytes=0);
 ``twobit/SIZE`` and ``auto/SIZE`` (e.g. ``twobit/256K``, ``auto/16M``) set bucket_bytes.
@@ -13,7 +16,10 @@ Methods: none, fp16 (Horovod's Compression.fp16), twobit (TwoBitCompressor(0.01)
     .venv/bin/python -m examples.bench_buckets --frameworks torch,tensorflow
 
 starts ``horovodrun -np 2`` per framework and prints a table of median step times (ms) with the
-ratio to no compression. Each rank uses one thread (``--threads``).
+ratio to no compression. Each rank uses one thread (``--threads``). TensorFlow trains in a
+``tf.function`` with ``hvd.DistributedGradientTape`` (``--tf-loops tape``, the default), or with
+``horovod.tensorflow.keras.DistributedOptimizer`` in the train function ``model.fit`` runs for each
+batch (``--tf-loops fit``; its rows say ``(fit)``), or both (``--tf-loops tape,fit``).
 
 Every method of a model is built first, then the methods take turns: ``--rounds`` rounds of
 ``--steps`` timed steps each (after ``--warmup`` untimed steps per method), so that a change in
@@ -35,6 +41,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 METHODS = ["none", "fp16", "twobit", "twobit/alone", "auto", "auto/alone"]
+MLP_LAYERS, MLP_WIDTH = 25, 128  # hidden layers of the "mlp" model, and their width
 
 
 def compression(method, hvd, twobit):
@@ -93,6 +100,14 @@ def torch_model(name):
                             nn.ReLU(), *[Block(32) for _ in range(8)], nn.AdaptiveAvgPool2d(1),
                             nn.Flatten(), nn.Linear(32, 10))
         return net, lambda b: torch.randn(b, 3, 16, 16), 10
+    if name == "mlp":
+        layers = []
+        for _ in range(MLP_LAYERS):
+            layers += [nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.ReLU()]
+        net = nn.Sequential(*layers, nn.Linear(MLP_WIDTH, 10))
+        return net, lambda b: torch.randn(b, MLP_WIDTH), 10
+    if name != "transformer":
+        raise ValueError("unknown model %r" % name)
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
 
     class Encoder(nn.Module):
@@ -149,6 +164,14 @@ def tf_model(name):
             h = L.ReLU()(h + a)
         out = L.Dense(10)(L.GlobalAveragePooling2D()(h))
         return tf.keras.Model(inp, out), lambda b: tf.random.normal((b, 16, 16, 3))
+    if name == "mlp":
+        inp = tf.keras.Input((MLP_WIDTH,))
+        h = inp
+        for _ in range(MLP_LAYERS):
+            h = L.Dense(MLP_WIDTH, activation="relu")(h)
+        return tf.keras.Model(inp, L.Dense(10)(h)), lambda b: tf.random.normal((b, MLP_WIDTH))
+    if name != "transformer":
+        raise ValueError("unknown model %r" % name)
     inp = tf.keras.Input((32,), dtype="int32")
     h = L.Embedding(100, 64)(inp)
     for _ in range(7):
@@ -163,35 +186,57 @@ def tf_model(name):
 def run_tf(args):
     import tensorflow as tf
     import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+    from horovod_twobit.benchmarks import tf_profile
     from horovod_twobit.tensorflow import TwoBitCompressor
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     hvd.init()
     out = {}
     for model_name in args.models.split(","):
-        steps_of, counts = {}, {}
-        for method in args.methods.split(","):
-            net, data = tf_model(model_name)
-            opt = tf.keras.optimizers.SGD(0.01)
-            comp = compression(method, hvd, TwoBitCompressor)
-            tf.random.set_seed(hvd.rank())
-            x, y = data(args.batch), tf.random.uniform((args.batch,), 0, 10, tf.int32)
-            loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-            @tf.function
-            def step(x, y):
-                with tf.GradientTape() as tape:
-                    loss = loss_fn(y, net(x, training=True))
-                tape = hvd.DistributedGradientTape(tape, compression=comp, sparse_as_dense=True)
-                grads = tape.gradient(loss, net.trainable_variables)
-                opt.apply_gradients(zip(grads, net.trainable_variables))
-                return loss
-
-            steps_of[method] = lambda step=step, x=x, y=y: step(x, y).numpy()
-            counts[method] = len(net.trainable_variables)
-        for method, times in interleaved(steps_of, args).items():
-            out[(model_name, method)] = (_median_across(hvd, times), counts[method])
+        for loop in args.tf_loops.split(","):
+            if loop not in ("tape", "fit"):
+                raise ValueError("unknown TensorFlow loop %r (tape or fit)" % loop)
+            row = model_name if loop == "tape" else "%s (fit)" % model_name
+            steps_of, counts = {}, {}
+            for method in args.methods.split(","):
+                steps_of[method], counts[method] = tf_step(model_name, loop, method, args, tf,
+                                                           hvd, hvd_keras, TwoBitCompressor)
+            for method, times in interleaved(steps_of, args).items():
+                out[(row, method)] = (_median_across(hvd, times), counts[method])
+            if args.profile:
+                for method, fn in steps_of.items():
+                    out[(row, method)] += (tf_profile.profile(fn, args.profile),)
     return out, hvd.rank()
+
+
+def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor):
+    """(a function that runs one synchronous training step, the number of trainable tensors)."""
+    net, data = tf_model(model_name)
+    comp = compression(method, hvd, TwoBitCompressor)
+    tf.random.set_seed(hvd.rank())
+    x, y = data(args.batch), tf.random.uniform((args.batch,), 0, 10, tf.int32)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if loop == "fit":
+        # the function model.fit calls for each batch, with Horovod's Keras optimizer
+        opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.01), compression=comp,
+                                             sparse_as_dense=True)
+        net.compile(optimizer=opt, loss=loss_fn)
+        batches = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+        train = net.make_train_function()
+        return (lambda: train(batches)["loss"].numpy()), len(net.trainable_variables)
+    opt = tf.keras.optimizers.SGD(0.01)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, net(x, training=True))
+        tape = hvd.DistributedGradientTape(tape, compression=comp, sparse_as_dense=True)
+        grads = tape.gradient(loss, net.trainable_variables)
+        opt.apply_gradients(zip(grads, net.trainable_variables))
+        return loss
+
+    return (lambda: step(x, y).numpy()), len(net.trainable_variables)
 
 
 def _median_across(hvd, times):
@@ -229,13 +274,23 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per method first")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tf-loops", default="tape",
+                    help="TensorFlow training loops: tape (DistributedGradientTape in a "
+                         "tf.function), fit (the Keras DistributedOptimizer in fit's train "
+                         "function), or both, comma-separated")
     ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="TensorFlow: after timing, trace this many steps of each method with "
+                         "TensorFlow's profiler and print the ops' time per step by kind (ms)")
     ap.add_argument("--worker", choices=["torch", "tensorflow"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         results, rank = (run_torch if args.worker == "torch" else run_tf)(args)
         if rank == 0:
             print(table(results, args.worker), flush=True)
+            if args.profile and args.worker == "tensorflow":
+                from horovod_twobit.benchmarks import tf_profile
+                print("\n" + tf_profile.table(results, args.worker), flush=True)
         return
     print("machine: %s, %d cores, Python %s; %d ranks on localhost, %d thread(s) each; "
           "median of %d rounds x %d steps per method, interleaved, after %d"
@@ -252,7 +307,7 @@ def main(argv=None):
                "--worker", fw] + [a for a in (argv if argv is not None else sys.argv[1:])]
         res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         rows = [line.split("]<stdout>:", 1)[-1] for line in res.stdout.splitlines()
-                if "<stdout>:|" in line]
+                if "<stdout>:|" in line or line.endswith("<stdout>:")]
         if res.returncode != 0 or not rows:
             sys.exit("%s benchmark failed:\n%s" % (fw, (res.stdout + res.stderr)[-4000:]))
         print("\n".join(rows) + "\n", flush=True)

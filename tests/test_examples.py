@@ -93,3 +93,19 @@ def test_count_entropy_measures_the_counts_a_scatter_owner_sends(capsys):
     assert "| 3 | 3 | %.2f | %.2f |" % (rows[1][2], 2 / 3 * 5) in table, table
     # a threshold no gradient reaches: every count is 0, nothing to send
     assert ce.main(["--ranks", "2", "--threshold", "1e6"] + small)[0][2] == 0
+
+
+def test_bucket_benchmark_mlp_has_52_tensors_in_both_frameworks():
+    """examples.bench_buckets --models mlp: the same 52 parameter tensors in PyTorch and Keras;
+    an unknown model is refused."""
+    import sys
+    import pytest
+    sys.path.insert(0, os.path.dirname(EXAMPLES))
+    from examples import bench_buckets as bb
+    net, data, _ = bb.torch_model("mlp")
+    assert len(list(net.parameters())) == 52 and tuple(data(4).shape) == (4, 128)
+    tf_net, tf_data = bb.tf_model("mlp")
+    assert len(tf_net.trainable_variables) == 52 and tuple(tf_data(4).shape) == (4, 128)
+    assert sum(p.numel() for p in net.parameters()) == tf_net.count_params()
+    with pytest.raises(ValueError, match="unknown model"):
+        bb.tf_model("resnet")
