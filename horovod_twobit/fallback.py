@@ -17,7 +17,12 @@ timed collectives and a codec pass of known size, and rank 0's figures are used 
 so every rank decides alike.
 """
 
+import logging
+
 FALLBACKS = (None, "auto", "always")
+BIG = 1 << 20  # values of the timed allreduce (4 MB) and of the timed codec pass
+SMALL = 1 << 10  # values of the codec pass that tells its fixed cost per bucket
+_log = logging.getLogger("horovod_twobit")
 
 
 def validate_fallback(fallback):
@@ -43,12 +48,37 @@ class Link:
             self.rate, self.latency, self.codec, self.codec_fixed)
 
 
-def codec_figures(seconds, big, small):
+def codec_figures(seconds, big=BIG, small=SMALL):
     """(values/s, fixed seconds per bucket) from a codec pass timed on ``big`` and on ``small``
     values (``seconds(n)``)."""
     t_big, t_small = seconds(big), seconds(small)
     rate = big / max(t_big, 1e-12)
     return rate, max(0.0, t_small - small / rate)
+
+
+def figures(nranks, small, big, codec_seconds):
+    """[rate, latency, codec values/s, codec fixed seconds], the :class:`Link` arguments, from a
+    timed 1-value allreduce (``small`` s), a timed ``BIG``-value one (``big`` s) and the codec
+    pass ``codec_seconds(n)``: what each binding's ``link.measure`` broadcasts from rank 0."""
+    N = max(int(nranks), 1)
+    moved = 2 * (N - 1) / N * 4 * BIG  # bytes each rank sends in a ring allreduce
+    return [moved / max(big - small, 1e-9), small, *codec_figures(codec_seconds)]
+
+
+def decide(decisions, names, layout, nranks, exchange, fallback, link):
+    """Whether the bucket of ``names`` goes uncompressed with ``nranks`` ranks (``fallback``
+    "always", or "auto" where ``link()``, the measured :class:`Link`, says compression would not
+    pay with ``exchange``). Decided once per bucket and number of ranks, kept in ``decisions``
+    ((bucket key, N) -> "compressed" / "plain") and logged once."""
+    from .scatter_wire import owner_key
+    key = (owner_key(names), nranks)
+    got = decisions.get(key)
+    if got is None:
+        plain = fallback == "always" or not compress_pays(layout, nranks, exchange, link())
+        got = decisions[key] = "plain" if plain else "compressed"
+        _log.info("horovod-twobit: bucket %s (%d values, %d ranks): %s", key[0],
+                  sum(layout.numels), nranks, got)
+    return got == "plain"
 
 
 def times(layout, nranks, exchange, link):

@@ -1,7 +1,6 @@
 """``TwoBitCompressor``: MXNet's 2-bit compression with error feedback, as a Horovod compressor for
 TensorFlow 2 and Keras."""
 
-import logging
 import threading
 import warnings
 
@@ -11,7 +10,7 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compressor
 
 from .. import layout, scatter_wire, state, wire
-from ..fallback import compress_pays, validate_fallback
+from ..fallback import decide, validate_fallback
 from .stats import Slots, residual_norms
 from .residuals import Residuals, _Plain, rank_size  # noqa: F401 (rank_size: public here too)
 
@@ -24,7 +23,6 @@ class _Unrouted:
 
 
 _UNROUTED = _Unrouted()
-_log = logging.getLogger("horovod_twobit")
 
 
 class TwoBitCompressor(Compressor, tf.Module):
@@ -182,19 +180,9 @@ class TwoBitCompressor(Compressor, tf.Module):
         if not self.fallback:
             return False
         n = process_set.size()
-        key = (scatter_wire.owner_key(keys), n)
-        got = self._plain.decisions.get(key)
-        if got is None:
-            if self.fallback == "always":
-                plain = True
-            else:
-                link = self.link(process_set)
-                plain = not compress_pays(layout, n, scatter_wire.choose(self.exchange, layout, n),
-                                          link)
-            got = self._plain.decisions[key] = "plain" if plain else "compressed"
-            _log.info("horovod-twobit: bucket %s (%d values, %d ranks): %s", key[0],
-                      sum(layout.numels), n, got)
-        return got == "plain"
+        return decide(self._plain.decisions, keys, layout, n,
+                      scatter_wire.choose(self.exchange, layout, n), self.fallback,
+                      lambda: self.link(process_set))
 
     def link(self, process_set):
         """The measured :class:`horovod_twobit.fallback.Link` of this process set (rank 0's

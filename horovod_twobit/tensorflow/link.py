@@ -12,10 +12,8 @@ import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 
-from ..fallback import Link, codec_figures
+from ..fallback import BIG, Link, figures
 
-_BIG = 1 << 20  # values of the timed allreduce (4 MB) and of the timed codec pass
-_SMALL = 1 << 10  # values of the codec pass that tells its fixed cost per bucket
 
 
 def _allreduce_seconds(values, process_set, tag, repeat=3):
@@ -45,7 +43,7 @@ def _codec_seconds(compressor, nranks, values):
 
     codec_pass(g).numpy()  # traced once, untimed
     best = float("inf")
-    for _ in range(3 if values >= _BIG else 7):
+    for _ in range(3 if values >= BIG else 7):
         t0 = time.perf_counter()
         codec_pass(g).numpy()
         best = min(best, time.perf_counter() - t0)
@@ -59,11 +57,9 @@ def measure(process_set, compressor):
                            "first exchange is traced; TF1 graph mode cannot: use fallback=None or "
                            "\"always\" there")
     N = process_set.size()
-    small = _allreduce_seconds(1, process_set, "small")
-    big = _allreduce_seconds(_BIG, process_set, "big")
-    moved = 2 * (N - 1) / max(N, 1) * 4 * _BIG  # bytes each rank sends in a ring allreduce
-    rate = moved / max(big - small, 1e-9)
-    codec = codec_figures(lambda n: _codec_seconds(compressor, max(N, 1), n), _BIG, _SMALL)
-    figures = tf.constant([rate, small, *codec], tf.float64)
-    figures = mpi_ops.broadcast(figures, 0, name="twobit.link.figures", process_set=process_set)
-    return Link(*figures.numpy().tolist())
+    got = figures(N, _allreduce_seconds(1, process_set, "small"),
+                  _allreduce_seconds(BIG, process_set, "big"),
+                  lambda n: _codec_seconds(compressor, max(N, 1), n))
+    got = mpi_ops.broadcast(tf.constant(got, tf.float64), 0, name="twobit.link.figures",
+                            process_set=process_set)
+    return Link(*got.numpy().tolist())

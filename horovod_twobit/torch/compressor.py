@@ -1,6 +1,5 @@
 """``TwoBitCompressor``: MXNet's 2-bit compression with error feedback, as a Horovod compressor."""
 
-import logging
 import threading
 import warnings
 
@@ -10,12 +9,11 @@ from horovod.torch.compression import Compressor
 
 from .. import layout, scatter_wire, state, wire
 from ..registry import ResidualRegistry
-from ..fallback import compress_pays, validate_fallback
+from ..fallback import decide, validate_fallback
 from ..stats import StatsLog
 from . import stats_read
 
 _MARK = "_horovod_twobit"
-_log = logging.getLogger("horovod_twobit")
 
 
 class _Pending:
@@ -230,18 +228,8 @@ class TwoBitCompressor(Compressor):
         or where the measured link and codec say compression would not pay. Decided once per
         bucket and number of ranks, logged once, and kept in :attr:`decisions`."""
         n = process_set.size()
-        key = (scatter_wire.owner_key(bucket.names), n)
-        got = self.decisions.get(key)
-        if got is None:
-            if self.fallback == "always":
-                plain = True
-            else:
-                link = self.link(process_set, device)
-                plain = not compress_pays(bucket.layout, n, bucket.exchange(n)[0], link)
-            got = self.decisions[key] = "plain" if plain else "compressed"
-            _log.info("horovod-twobit: bucket %s (%d values, %d ranks): %s", key[0],
-                      sum(bucket.layout.numels), n, got)
-        return got == "plain"
+        return decide(self.decisions, bucket.names, bucket.layout, n, bucket.exchange(n)[0],
+                      self.fallback, lambda: self.link(process_set, device))
 
     def link(self, process_set, device):
         """The measured :class:`horovod_twobit.fallback.Link` of this process set (rank 0's

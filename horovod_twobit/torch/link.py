@@ -8,11 +8,9 @@ import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
-from ..fallback import Link, codec_figures
+from ..fallback import BIG, Link, figures
 from ..layout import Layout
 
-_BIG = 1 << 20  # values of the timed allreduce (4 MB) and of the timed codec pass
-_SMALL = 1 << 10  # values of the codec pass that tells its fixed cost per bucket
 
 
 def _allreduce_seconds(values, process_set, device, tag, repeat=3):
@@ -35,7 +33,7 @@ def _codec_seconds(device, threshold, nranks, values):
     r = torch.zeros(values, device=device)
     payload = torch.empty(layout.payload_words, dtype=torch.int32, device=device)
     best = float("inf")
-    for _ in range(3 if values >= _BIG else 7):  # the first small one may compile
+    for _ in range(3 if values >= BIG else 7):  # the first small one may compile
         g2 = g.clone()
         t0 = time.perf_counter()
         t, v = codec.encode_payload(layout, r, g2, threshold, "lsq", payload)
@@ -50,12 +48,9 @@ def _codec_seconds(device, threshold, nranks, values):
 def measure(process_set, device, threshold):
     """A :class:`Link` of ``process_set`` from rank 0's measurements."""
     N = process_set.size()
-    small = _allreduce_seconds(1, process_set, device, "small")
-    big = _allreduce_seconds(_BIG, process_set, device, "big")
-    moved = 2 * (N - 1) / max(N, 1) * 4 * _BIG  # bytes each rank sends in a ring allreduce
-    latency = small  # one collective of next to no bytes
-    rate = moved / max(big - small, 1e-9)
-    codec = codec_figures(lambda n: _codec_seconds(device, threshold, N, n), _BIG, _SMALL)
-    figures = torch.tensor([rate, latency, *codec], dtype=torch.float64)
-    figures = mpi_ops.broadcast(figures, 0, name="twobit.link.figures", process_set=process_set)
-    return Link(*figures.tolist())
+    got = figures(N, _allreduce_seconds(1, process_set, device, "small"),
+                  _allreduce_seconds(BIG, process_set, device, "big"),
+                  lambda n: _codec_seconds(device, threshold, N, n))
+    got = mpi_ops.broadcast(torch.tensor(got, dtype=torch.float64), 0,
+                            name="twobit.link.figures", process_set=process_set)
+    return Link(*got.tolist())
