@@ -70,6 +70,14 @@ class Bucket:
             self._bound = reg.generation
         return self._r
 
+    def current_residual(self):
+        """This bucket's flat residual if it holds the registry's current residuals, else None
+        (after a reset or a load, until the bucket's next step)."""
+        reg = self.compressor.residuals
+        if self.layout.single:
+            return reg.lookup(self.names[0])
+        return self._r if self._bound == reg.generation else None
+
     def views(self, tensors):
         """The members' slices of the flat gradient buffer, shaped as ``tensors`` (made once)."""
         shapes = tuple(t.shape for t in tensors)

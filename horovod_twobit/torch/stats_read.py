@@ -31,18 +31,10 @@ def tensor_norms(residuals, names):
 
 def bucket_norms(bucket):
     """A function giving (sum of squares, max |r|) of ``bucket``'s current residuals, or None
-    when they are not bound to the registry's current residuals (after a reset or a load, until
-    the bucket's next step): then the caller reads them per tensor."""
-    reg = bucket.compressor.residuals
-
+    when the bucket does not hold them (then the caller reads them per tensor)."""
     def read():
-        if bucket.layout.single:
-            r = reg.lookup(bucket.names[0])
-        else:
-            r = bucket._r if bucket._bound == reg.generation else None
-        if r is None:
-            return None
-        return tuple(_host(list(_pair(r.detach().reshape(-1)))))
+        r = bucket.current_residual()
+        return None if r is None else tuple(_host(list(_pair(r.detach().reshape(-1)))))
     return read
 
 

@@ -1,6 +1,7 @@
 """Several configurations in one job (one launch, one framework import): each configuration's
 records go to OUT/<index>/rank<r>.npz, where tests/sim.py's load_ranks reads them."""
 
+import argparse
 import os
 
 import numpy as np
@@ -23,7 +24,6 @@ def run_each(out, specs, run, rank):
 
 def parse_args():
     """The options every configuration worker takes: --out DIR --configs SPEC [SPEC ...]."""
-    import argparse
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--configs", nargs="+", required=True)
