@@ -11,7 +11,8 @@ Models (both frameworks):
                for a step of a few milliseconds, where a fixed per-step cost shows most
 Methods: none, fp16 (Horovod's Compression.fp16), twobit (TwoBitCompressor(0.01)) and auto
 (TwoBitCompressor("auto")), the last two bucketed (the default) and alone (bucket_bytes=0);
-``twobit/SIZE`` and ``auto/SIZE`` (e.g. ``twobit/256K``, ``auto/16M``) set bucket_bytes.
+``twobit/SIZE`` and ``auto/SIZE`` (e.g. ``twobit/256K``, ``auto/16M``) set bucket_bytes;
+``twobit_fallback`` and ``auto_fallback`` (also with ``/SIZE``) add ``fallback="auto"``.
 
     .venv/bin/python -m examples.bench_buckets --frameworks torch,tensorflow
 
@@ -50,9 +51,11 @@ def compression(method, hvd, twobit):
     if method == "fp16":
         return hvd.Compression.fp16
     kind, _, size = method.partition("/")
+    kind, fallback = kind.split("_fallback")[0], "auto" if kind.endswith("_fallback") else None
     if kind not in ("twobit", "auto"):
         raise ValueError("unknown method %r" % method)
-    return twobit(0.01 if kind == "twobit" else "auto", bucket_bytes=bucket_bytes(size))
+    return twobit(0.01 if kind == "twobit" else "auto", bucket_bytes=bucket_bytes(size),
+                  fallback=fallback)
 
 
 def bucket_bytes(size):
