@@ -21,7 +21,7 @@ import math
 import statistics
 import sys
 
-from . import steptime
+from . import calibrate, steptime
 
 WORKER_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -59,7 +59,8 @@ def _model_kw(args):
                 cycle_s=steptime.parse_seconds(args.cycle),
                 fusion_bytes=steptime.parse_count(args.fusion_bytes),
                 bucket_bytes=args.bucket_bytes, forward_fraction=args.forward_fraction,
-                powersgd_rank=args.powersgd_rank)
+                powersgd_rank=args.powersgd_rank, collective_s=args.collective_cost and
+                steptime.parse_seconds(args.collective_cost))
 
 
 def advise(sizes, compute_s, workers, rate, profile, methods=steptime.METHODS, **kw):
@@ -135,6 +136,8 @@ def main_predict(argv):
                                                     "JSON file (default %(default)s)")
     p.add_argument("--methods", default=",".join(steptime.METHODS))
     p.add_argument("--cycle", default="1ms", help="HOROVOD_CYCLE_TIME (default %(default)s)")
+    p.add_argument("--collective-cost", help="fixed cost of each collective beyond its messages "
+                                             "(e.g. 200us; default the profile's, else 0)")
     p.add_argument("--fusion-bytes", default="64M", help="HOROVOD_FUSION_THRESHOLD (default "
                                                          "64 MiB)")
     p.add_argument("--bucket-bytes", type=int, default=None, help="TwoBitCompressor's bucket_bytes")
@@ -219,9 +222,9 @@ def main_calibrate(argv):
     p.add_argument("--eager", action="store_true", help="time the uncompiled codec")
     args = p.parse_args(argv)
     sizes = [_binary(s) for s in args.sizes.split(",")]
-    prof = steptime.calibrate(args.out, sizes=sizes, ranks=[int(r) for r in args.ranks.split(",")],
-                              threads=args.threads, compiled=not args.eager, reps=args.reps,
-                              name=args.name)
+    prof = calibrate.calibrate(args.out, sizes=sizes, ranks=[int(r) for r in args.ranks.split(",")],
+                               threads=args.threads, compiled=not args.eager, reps=args.reps,
+                               name=args.name)
     print("wrote %s" % args.out)
     for k in steptime.CODEC_KEYS:
         c0, c1, a, b = prof["codec"][k]

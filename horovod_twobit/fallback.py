@@ -1,23 +1,30 @@
 """When compression does not pay: the decision behind ``TwoBitCompressor(..., fallback="auto")``.
 
-A bucket is compressed when the model below says its exchange takes less time than Horovod's
-ring allreduce of the same values, else it is sent uncompressed as g + r (see the bindings'
-plain flights): with error feedback the switch is exact, so the fallback never loses accuracy,
-only the bytes it would have saved.
+A bucket is compressed when the step-time model (:func:`horovod_twobit.steptime.bucket_s`, what
+the advisor charges a bucket) says its exchange takes less time than Horovod's ring allreduce of
+the same values, else it is sent uncompressed as g + r (see the bindings' plain flights): with
+error feedback the switch is exact, so the fallback never loses accuracy, only the bytes it would
+have saved.
 
-The model (an alpha-beta form): every Horovod collective costs a fixed latency (its negotiation
-and cycle, measured by a one-value allreduce) plus its bytes at the link's rate. A ring allreduce
-of ``n`` float32 values between N ranks sends 2 (N - 1) / N * 4n bytes per rank in one
-collective; the allgather exchange sends the rank's payload to the N - 1 others (one
-collective), the scatter exchange its chunks and reduced chunks (two collectives), by the formats'
-own counts (:func:`horovod_twobit.scatter_wire.rank_bytes`); the codec costs n values at the
-measured codec rate, timed as this rank's whole codec work of a step: one encode and the
-decode-sum of N payloads. The link and the codec rate are measured once per number of ranks by
-timed collectives and a codec pass of known size, and rank 0's figures are used by every rank,
-so every rank decides alike.
+The model's inputs are measured once per number of ranks, and rank 0's figures are used by
+every rank, so every rank decides alike (:func:`figures`, each binding's ``link.measure``):
+
+* a one-value allreduce: the model's fixed cost per collective (``Wire.collective_s``), which at
+  this N holds the collective's messages, negotiation and cycle wait as well, so the model's
+  per-message alpha and cycle are 0 here;
+* a ``BIG``-value allreduce beyond it: the seconds per byte a rank sends in a ring allreduce
+  (beta), its reduction and copies included (the profile's sum and copy costs are 0 here);
+* a step's codec work on ``BIG`` and on ``SMALL`` values (one encode and the decode-sum of N
+  payloads): the codec's seconds per value and its fixed cost per bucket, the profile's codec
+  terms (``n a`` and ``c0``).
+
+The collectives' bytes are the formats' own (:mod:`horovod_twobit.scatter_wire`, the allgather
+payload), counted by the model.
 """
 
 import logging
+
+from . import steptime
 
 FALLBACKS = (None, "auto", "always")
 BIG = 1 << 20  # values of the timed allreduce (4 MB) and of the timed codec pass
@@ -34,14 +41,29 @@ def validate_fallback(fallback):
 
 
 class Link:
-    """Measured figures: ``rate`` (bytes/s a rank sends), ``latency`` (seconds per collective),
-    ``codec`` (values/s of a step's codec work: one encode and the decode-sum of N payloads) and
-    ``codec_fixed`` (seconds that work costs a bucket whatever its size: the calls, the levels'
-    reductions, the launches)."""
+    """Measured figures: ``rate`` (bytes/s a rank sends in a ring allreduce), ``latency``
+    (seconds of a one-value allreduce: the fixed cost of a collective), ``codec`` (values/s of a
+    step's codec work: one encode and the decode-sum of N payloads) and ``codec_fixed`` (seconds
+    that work costs a bucket whatever its size: the calls, the levels' reductions, the
+    launches); :meth:`wire` and :meth:`profile` give them to the step-time model."""
 
     def __init__(self, rate, latency, codec, codec_fixed=0.0):
         self.rate, self.latency, self.codec = float(rate), float(latency), float(codec)
         self.codec_fixed = float(codec_fixed)
+
+    def wire(self, nranks):
+        """The step-time model's :class:`~horovod_twobit.steptime.Wire` of this link."""
+        return steptime.Wire(nranks, alpha=0.0, beta=1.0 / self.rate, collective_s=self.latency)
+
+    def profile(self):
+        """The measured codec as a step-time device profile: the encode's entry carries the
+        whole pass timed (an encode and the decode-sum of N payloads, at this N), the other
+        codec entries are 0, and so are the costs the measured rate already holds."""
+        enc, zero = [self.codec_fixed, 0.0, 1.0 / self.codec, 0.0], [0.0] * 4
+        return {"name": "fallback", "kind": "measured", "serial": False, "message_s": 0.0,
+                "codec": {k: enc if "encode" in k else zero for k in steptime.CODEC_KEYS},
+                **dict.fromkeys(("sum_fp32_s", "sum_fp16_s", "cast_fp16_s", "copy_s_per_byte",
+                                 "optimizer_s", "powersgd_s", "kernel_s_per_byte"), 0.0)}
 
     def __repr__(self):
         return "Link(%.3g bytes/s, %.3g s/collective, codec %.3g values/s + %.3g s/bucket)" % (
@@ -83,20 +105,11 @@ def decide(decisions, names, layout, nranks, exchange, fallback, link):
 
 def times(layout, nranks, exchange, link):
     """(seconds of the compressed exchange, seconds of a plain ring allreduce) for one step of a
-    bucket of ``layout`` with ``exchange`` ("allgather" or "scatter", as decided)."""
-    from .scatter_wire import rank_bytes
-    N, n = int(nranks), sum(layout.numels)
-    if N < 2:
-        return 0.0, 0.0
-    plain = 2 * (N - 1) / N * 4 * n / link.rate + link.latency
-    sent = rank_bytes(layout, N, 0, exchange)  # handed to the collectives
-    if exchange == "scatter":  # each chunk goes to its owner, each reduced chunk to all others
-        wire_bytes, collectives = (N - 1) / N * sent, 2
-    else:
-        wire_bytes, collectives = (N - 1) * sent, 1
-    comp = (wire_bytes / link.rate + collectives * link.latency + n / link.codec
-            + link.codec_fixed)
-    return comp, plain
+    bucket of ``layout`` with ``exchange`` ("allgather" or "scatter", as decided), by the
+    step-time model fed with the measured ``link``."""
+    wire, prof = link.wire(nranks), link.profile()
+    return (steptime.bucket_s(layout, exchange, nranks, wire, prof),
+            steptime.bucket_s(layout, "plain", nranks, wire, prof))
 
 
 def compress_pays(layout, nranks, exchange, link):

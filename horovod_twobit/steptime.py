@@ -37,8 +37,9 @@ The step is the end of that critical path. On a profile whose host runs everythi
 CPU work as well: compute, codec, reductions and copies, the kernel's TCP work per byte sent and
 received, and the optimizer.
 
-Codec costs come from a device profile (:func:`load_profile`): JSON written by :func:`calibrate`
-(this machine's measured rates, ``python -m horovod_twobit.advise calibrate``) or shipped under
+Codec costs come from a device profile (:func:`load_profile`): JSON written by
+:func:`horovod_twobit.calibrate.calibrate` (this machine's measured rates, ``python -m
+horovod_twobit.advise calibrate``) or shipped under
 ``horovod_twobit/profiles/`` (GPU entries are memory-bandwidth bounds, labelled so, with their
 source). Pure Python; importing this module imports neither torch nor Horovod.
 """
@@ -260,25 +261,29 @@ def _make_units(sizes, method, nranks, prof, bucket_bytes):
         elif all(j == i or j in seen for j in buckets[k]):
             groups.append(buckets[k])
         seen.add(i)
-    units = []
-    scatter = method.startswith("scatter")
-    suffix = "_auto" if auto else ""
-    for g in groups:
-        lay = _layout.Layout([sizes[i] for i in g], auto, block, blocks)
-        u = _Unit(g, lay.values, "scatter" if scatter else "allgather")
-        if scatter:
-            sent, red = _scatter_words(lay, N)
-            u.bytes = 4.0 * sent * (N - 1) / N      # one rank's share of the alltoall
-            u.bytes2 = 4.0 * red * (N - 1) / N      # and of the allgather of the owners' sums
-            u.encode = codec_s(prof, "scatter_encode" + suffix, lay.values, N)
-            u.owner = codec_s(prof, "owner" + suffix, lay.values, N)
-            u.decode = codec_s(prof, "scatter_finish" + suffix, lay.values, N)
-        else:
-            u.bytes = 4.0 * lay.payload_words        # sent to each of the N - 1 others
-            u.encode = codec_s(prof, "encode" + suffix, lay.values, N)
-            u.decode = codec_s(prof, "finish" + suffix, lay.values, N)
-        units.append(u)
-    return units
+    exchange = "scatter" if method.startswith("scatter") else "allgather"
+    return [_bucket_unit(_layout.Layout([sizes[i] for i in g], auto, block, blocks), exchange, N,
+                         prof, g) for g in groups]
+
+
+def _bucket_unit(lay, exchange, nranks, prof, members=None):
+    """The unit of one TwoBit bucket of layout ``lay`` sent by ``exchange`` ("allgather" or
+    "scatter") among ``nranks`` ranks: its bytes by the formats' own counts, its codec calls by
+    the profile."""
+    N, suffix = nranks, "_auto" if lay.auto else ""
+    u = _Unit(members, lay.values, exchange)
+    if exchange == "scatter":
+        sent, red = _scatter_words(lay, N)
+        u.bytes = 4.0 * sent * (N - 1) / N      # one rank's share of the alltoall
+        u.bytes2 = 4.0 * red * (N - 1) / N      # and of the allgather of the owners' sums
+        u.encode = codec_s(prof, "scatter_encode" + suffix, lay.values, N)
+        u.owner = codec_s(prof, "owner" + suffix, lay.values, N)
+        u.decode = codec_s(prof, "scatter_finish" + suffix, lay.values, N)
+    else:
+        u.bytes = 4.0 * lay.payload_words        # sent to each of the N - 1 others
+        u.encode = codec_s(prof, "encode" + suffix, lay.values, N)
+        u.decode = codec_s(prof, "finish" + suffix, lay.values, N)
+    return u
 
 
 def exchange_bytes(sizes, method, nranks, bucket_bytes=None, powersgd_rank=4):
@@ -319,10 +324,36 @@ class Prediction:
             k: round(v, 4) if isinstance(v, float) else v for k, v in self.parts.items()})
 
 
-def _collective_s(kind, nranks, nbytes, values, alpha, beta, prof, dtype_bytes=4, fused=1):
-    link_latency = alpha - prof["message_s"]
-    """Seconds of one collective: messages x alpha + bytes x beta (+ reduction and copies)."""
-    N = nranks
+class Wire:
+    """What a collective costs on one link: ``alpha`` seconds per message (the link's latency
+    and the software's), ``beta`` seconds per byte a rank sends, ``collective_s`` a fixed cost
+    per collective beyond its messages and negotiation (the framework's op, Horovod's enqueue,
+    response and callback; 0 unless a profile or the caller gives it), ``cycle_s``
+    (HOROVOD_CYCLE_TIME: an idle background thread starts a collective half a cycle after its
+    input is ready) and ``fixed``: ``collective_s`` plus the negotiation (2 ceil(log2 N)
+    messages)."""
+
+    def __init__(self, nranks, alpha, beta, collective_s=0.0, cycle_s=0.0):
+        N = int(nranks)
+        self.alpha, self.beta = float(alpha), float(beta)
+        self.collective_s, self.cycle_s = float(collective_s), float(cycle_s)
+        self.fixed = self.collective_s + (2 * math.ceil(math.log2(N)) * self.alpha if N > 1
+                                          else 0.0)
+
+    @classmethod
+    def of_link(cls, nranks, rate, latency_s, prof, cycle_s=1e-3, collective_s=None):
+        """From a link's ``rate`` (bits/s or "25gbit", less TCP/IP framing) and ``latency_s``
+        and the profile's software cost per message (and per collective unless given)."""
+        if collective_s is None:
+            collective_s = prof.get("collective_s", 0.0)
+        return cls(nranks, float(latency_s) + prof["message_s"],
+                   8.0 / (parse_rate(rate) * TCP_EFFICIENCY), collective_s, cycle_s)
+
+
+def _collective_s(kind, nranks, nbytes, values, wire, prof, dtype_bytes=4, fused=1):
+    """Seconds of one collective's messages and bytes once it has started (``wire.fixed``
+    apart): messages x alpha + bytes x beta (+ reduction and copies)."""
+    N, alpha, beta = nranks, wire.alpha, wire.beta
     if N < 2:
         return 0.0
     if kind == "allreduce":
@@ -336,34 +367,52 @@ def _collective_s(kind, nranks, nbytes, values, alpha, beta, prof, dtype_bytes=4
     if kind == "alltoall":
         # nbytes: what this rank sends to the others. Gloo posts the N - 1 sends and receives at
         # once: one latency, and the software cost of every message; twice (the splits first)
+        link_latency = alpha - prof["message_s"]
         return 2 * (link_latency + (N - 1) * prof["message_s"]) + nbytes * beta
-    if kind == "ring_allgather_share":  # nbytes: this rank's share already
+    if kind == "scatter_allgather":  # the owners' sums, ring; nbytes: this rank's share already
         return (N - 1) * alpha + nbytes * beta
     raise ValueError(kind)
 
 
+def bucket_s(lay, exchange, nranks, wire, prof):
+    """Seconds of one bucket of layout ``lay`` alone, from its gradients ready to its result
+    decoded, as :func:`predict` charges it when nothing else is in flight: ``exchange`` "plain"
+    (Horovod's ring allreduce of its float32 values, one tensor), "allgather" or "scatter"
+    (TwoBit's: the encode, each collective half a cycle after its input, the owner's reduction
+    between the scatter's two, the decode). The fallback compares these per bucket."""
+    N = int(nranks)
+    if N < 2:
+        return 0.0
+    u = (_Unit(None, lay.values, "allreduce") if exchange == "plain"
+         else _bucket_unit(lay, exchange, N, prof))
+    t = u.encode + u.owner + u.decode
+    for phase in ((1, 2) if u.kind == "scatter" else (1,)):
+        t += wire.cycle_s / 2 + wire.fixed + _collective_s(
+            _phase_kind(u, phase), N, _phase_bytes(u, phase), u.values, wire, prof,
+            u.dtype_bytes)
+    return t
+
+
 def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cycle_s=1e-3,
             fusion_bytes=64 << 20, bucket_bytes=None, forward_fraction=1.0 / 3,
-            powersgd_rank=4):
+            powersgd_rank=4, collective_s=None):
     """Predicted step time of ``method`` (see :data:`METHODS`) on ``nranks`` hosts with links of
     ``rate`` (bits/s or "25gbit") and ``latency_s``, for a model of gradient ``sizes`` whose
-    forward and backward take ``compute_s`` on one host without communication."""
+    forward and backward take ``compute_s`` on one host without communication.
+    ``collective_s``: the fixed cost of each collective (:class:`Wire`; default the profile's,
+    else 0)."""
     if method not in METHODS:
         raise ValueError("method must be one of %s, got %r" % (", ".join(METHODS), method))
     prof = load_profile(profile)
     N = int(nranks)
     sizes = [int(n) for n in sizes]
     total = float(sum(sizes))
-    rate_bps = parse_rate(rate)
-    alpha = float(latency_s) + prof["message_s"]
-    beta = 8.0 / (rate_bps * TCP_EFFICIENCY)
-    negotiation = 2 * math.ceil(math.log2(N)) * alpha if N > 1 else 0.0
+    wire = Wire.of_link(N, rate, latency_s, prof, cycle_s, collective_s)
     fwd = compute_s * forward_fraction
     per_value = compute_s * (1 - forward_fraction) / max(total, 1.0)
     opt = total * prof["optimizer_s"]
     if method == "powersgd":
-        return _predict_powersgd(sizes, N, alpha, beta, negotiation, fwd, compute_s, opt, prof,
-                                 powersgd_rank, rate_bps)
+        return _predict_powersgd(sizes, N, wire, compute_s, opt, prof, powersgd_rank)
     units = _units(sizes, method, N, prof, bucket_bytes)
     # training thread: backward, with each unit's encode when its last gradient is ready
     t, done = fwd, set()
@@ -383,7 +432,7 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
     while pending:
         pending.sort(key=lambda x: (x[0], x[1]))
         ready0 = pending[0][0]
-        start = max(free, ready0 + cycle_s / 2) if ready0 >= free else free
+        start = max(free, ready0 + wire.cycle_s / 2) if ready0 >= free else free
         kind = _phase_kind(pending[0][2], pending[0][3])
         batch, nbytes, nvalues = [], 0.0, 0
         for item in pending:
@@ -398,18 +447,12 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
             nvalues += u.values
         for item in batch:
             pending.remove(item)
-        if kind == "allreduce":
-            dur = _collective_s("allreduce", N, nbytes, nvalues, alpha, beta, prof,
-                                batch[0][2].dtype_bytes, len(batch))
-            cpu_coll += dur - (2 * (N - 1) * alpha + 2.0 * (N - 1) / N * nbytes * beta)
-        elif kind == "allgather":
-            dur = _collective_s("allgather", N, nbytes, nvalues, alpha, beta, prof)
-        elif kind == "alltoall":
-            dur = _collective_s("alltoall", N, nbytes, nvalues, alpha, beta, prof)
-        else:
-            dur = _collective_s("ring_allgather_share", N, nbytes, nvalues, alpha, beta, prof)
-        end = start + negotiation + dur
-        wire_s += negotiation + dur
+        dur = _collective_s(kind, N, nbytes, nvalues, wire, prof, batch[0][2].dtype_bytes,
+                            len(batch))
+        if kind == "allreduce":  # the reduction and the copies: CPU work
+            cpu_coll += dur - (2 * (N - 1) * wire.alpha + 2.0 * (N - 1) / N * nbytes * wire.beta)
+        end = start + wire.fixed + dur
+        wire_s += wire.fixed + dur
         free = end
         for _, k, u, phase in batch:
             if kind == "alltoall":
@@ -447,7 +490,7 @@ def _phase_bytes(u, phase):
     return u.bytes2 if phase == 2 else u.bytes
 
 
-def _predict_powersgd(sizes, N, alpha, beta, negotiation, fwd, compute_s, opt, prof, r, rate_bps):
+def _predict_powersgd(sizes, N, wire, compute_s, opt, prof, r):
     """PowerSGD rank r as DDP's hook runs it with one bucket: after backward, P = M Q and its
     allreduce, Q = M^T P and its allreduce, M ~ P Q^T and the error feedback; 1-D and small
     tensors allreduced uncompressed alongside."""
@@ -457,8 +500,7 @@ def _predict_powersgd(sizes, N, alpha, beta, negotiation, fwd, compute_s, opt, p
     codec = sum(comp) * r * 3 * prof["powersgd_s"] + sum(comp) * 3 * prof["optimizer_s"] / 2
     wire_s = 0.0
     for nbytes, values in ((pq + 4 * plain, pq / 4 + plain), (pq, pq / 4)):
-        wire_s += negotiation + _collective_s("allreduce", N, nbytes, values, alpha, beta, prof,
-                                              4, 2)
+        wire_s += wire.fixed + _collective_s("allreduce", N, nbytes, values, wire, prof, 4, 2)
     step = compute_s + codec + wire_s + opt
     sent = exchange_bytes(sizes, "powersgd", N, powersgd_rank=r)
     cpu = compute_s + codec + opt + 2 * sent * prof["kernel_s_per_byte"]
@@ -494,195 +536,3 @@ def break_even_rate(sizes, method, nranks, compute_s, profile, lo=1e7, hi=1e13, 
         else:
             b = m
     return math.exp((a + b) / 2)
-
-
-# ------------------------------------------------------------------------------- calibration
-def calibrate(path=None, sizes=(1 << 16, 1 << 20), ranks=(2, 8), threads=1, compiled=True,
-              reps=5, name="cpu"):
-    """Measures this machine's codec rates with the project's own codec functions (PyTorch,
-    ``threads`` threads, the compiled path unless ``compiled=False``; the ones
-    ``horovod_twobit.benchmarks.codec`` times, plus the "auto" and scatter ones) and the costs the
-    model takes per value (sums, copies, casts, the optimizer, the kernel's TCP work per byte, the
-    software latency of a message). Each codec call is fitted as ``c0 + c1 N + n (a + b N)`` from
-    the sizes and rank counts timed. Returns the profile and writes it to ``path`` (JSON)."""
-    import platform
-    import torch
-    from .torch import kernels
-    torch.set_num_threads(threads)
-    old = kernels.COMPILE_MIN_NUMEL
-    kernels.COMPILE_MIN_NUMEL = 0 if compiled else 1 << 62
-    try:
-        points = {k: [] for k in CODEC_KEYS}
-        for n in sizes:
-            for N in ranks:
-                for key, secs in _time_codec(int(n), int(N), reps).items():
-                    points[key].append((int(n), int(N), secs))
-        codec = {k: _fit(v) for k, v in points.items()}
-        per = _time_per_value(1 << 22, reps)
-    finally:
-        kernels.COMPILE_MIN_NUMEL = old
-    prof = {"name": name, "kind": "measured", "serial": True,
-            "source": "python -m horovod_twobit.advise calibrate on %s (%s, %d thread(s), %s "
-                      "codec, torch %s)" % (platform.node() or "?", _cpu_name(), threads,
-                                           "compiled" if compiled else "eager", torch.__version__),
-            "note": "one host = one core doing compute, codec and the exchange's CPU work",
-            "codec": codec, "points": points}
-    prof.update(per)
-    prof.update(_time_network())
-    if path:
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(prof, f, indent=1, sort_keys=True)
-            f.write("\n")
-    return prof
-
-
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "?")
-    except OSError:
-        return "?"
-
-
-def _median_time(fn, reps):
-    import statistics
-    import time
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def _time_codec(n, N, reps):
-    """Seconds of each codec call on one tensor of n values among N ranks (the other ranks'
-    payloads are copies of this one's)."""
-    import torch
-    from .torch import codec, scatter_codec
-    out = {}
-    for auto in (False, True):
-        sfx = "_auto" if auto else ""
-        thr = "auto" if auto else 0.5
-        lay = _layout.Layout([n], auto)
-        g = torch.randn(n) * 0.3
-        r = torch.zeros(n)
-        payload = torch.empty(lay.payload_words, dtype=torch.int32)
-        enc = lambda: codec.encode_payload(lay, r, g, thr, "lsq", payload)
-        out["encode" + sfx] = _median_time(enc, reps)
-        t, v = enc()
-        gathered = payload.repeat(N)
-        work = g.clone()
-        out["finish" + sfx] = _median_time(
-            lambda: codec.finish_payload(lay, gathered, N, ["x"], r, work, t, v, N, 1.0), reps)
-        chunks = _sw.Chunks(lay, N)
-        send, splits = scatter_codec.chunk_payloads(chunks, payload, thr)
-        out["scatter_encode" + sfx] = out["encode" + sfx] + _median_time(
-            lambda: scatter_codec.chunk_payloads(chunks, payload, thr), reps)
-        offs = [0]
-        for s in splits.tolist():
-            offs.append(offs[-1] + s)
-        reduced, bads = [], []
-        for c in range(N):
-            mine = send[offs[c]:offs[c + 1]]
-            received = mine.repeat(N)
-            res = torch.zeros(chunks.values(c)) if auto else None
-            fn = lambda: scatter_codec.owner_reduce(chunks, received, [int(splits[c])] * N, ["x"],
-                                                    c, thr, "lsq", res)
-            if c == 0:
-                out["owner" + sfx] = _median_time(fn, reps)
-            p, bad = fn()
-            reduced.append(p)
-        gathered2 = torch.cat(reduced)
-        out["scatter_finish" + sfx] = _median_time(
-            lambda: scatter_codec.finish_reduced(chunks, gathered2, ["x"], r, work, t, v,
-                                                 [False], N, 1.0), reps)
-    return out
-
-
-def _fit(points):
-    """Least-squares (c0, c1, a, b) of seconds = c0 + c1 N + n (a + b N), each >= 0."""
-    import numpy as np
-    A = np.array([[1.0, N, n, n * N] for n, N, _ in points])
-    y = np.array([s for _, _, s in points])
-    keep = list(range(4))
-    while True:
-        coef = np.zeros(4)
-        sol, *_ = np.linalg.lstsq(A[:, keep], y, rcond=None)
-        coef[keep] = sol
-        neg = [k for k in keep if coef[k] < 0]
-        if not neg:
-            return [float(c) for c in coef]
-        keep.remove(min(neg, key=lambda k: coef[k]))
-
-
-def _time_per_value(n, reps):
-    """Per-value seconds of what the exchange and the optimizer do besides the codec. The float16
-    sum is timed with NumPy's float16 add, which converts each value in software as Gloo's
-    ``gloo::float16`` sum does (a proxy, not Gloo itself)."""
-    import numpy as np
-    import torch
-    a, b = torch.randn(n), torch.randn(n)
-    o = torch.empty(n)
-    h = np.random.rand(n // 4).astype(np.float16)
-    h2, ho = h.copy(), h.copy()
-    p = torch.nn.Parameter(torch.randn(n))
-    p.grad = torch.randn(n)
-    opt = torch.optim.SGD([p], lr=0.1)
-    half = torch.empty(n, dtype=torch.float16)
-    d = torch.empty(n)
-    m, q = torch.randn(2048, 2048), torch.randn(2048, 4)
-    return {
-        "sum_fp32_s": _median_time(lambda: torch.add(a, b, out=o), reps) / n,
-        "sum_fp16_s": _median_time(lambda: np.add(h, h2, out=ho), reps) / (n // 4),
-        "cast_fp16_s": _median_time(lambda: half.copy_(a), reps) / n,
-        "copy_s_per_byte": _median_time(lambda: d.copy_(a), reps) / (4 * n),
-        "optimizer_s": _median_time(opt.step, reps) / n,
-        "powersgd_s": _median_time(lambda: m @ q, reps) / (2048 * 2048 * 4),
-    }
-
-
-def _time_network(nbytes=64 << 20, rounds=2000):
-    """The kernel's CPU seconds per byte a host sends and receives over TCP (both ends of a
-    loopback connection in this process, so each byte is sent once and received once), and the
-    software latency of a small message (half a round trip between two threads)."""
-    import socket
-    import threading
-    import time
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    cli = socket.create_connection(srv.getsockname())
-    con, _ = srv.accept()
-    buf = bytearray(1 << 20)
-    recv = bytearray(1 << 20)
-
-    def sink(total):
-        view = memoryview(recv)
-        while total > 0:
-            total -= con.recv_into(view)
-    th = threading.Thread(target=sink, args=(nbytes,))
-    c0 = time.process_time()
-    th.start()
-    for _ in range(nbytes // len(buf)):
-        cli.sendall(buf)
-    th.join()
-    cpu = time.process_time() - c0
-
-    def echo():
-        for _ in range(rounds):
-            con.sendall(con.recv(1))
-    th = threading.Thread(target=echo)
-    th.start()
-    t0 = time.perf_counter()
-    for _ in range(rounds):
-        cli.sendall(b"x")
-        cli.recv(1)
-    rtt = (time.perf_counter() - t0) / rounds
-    th.join()
-    for s in (cli, con, srv):
-        s.close()
-    return {"kernel_s_per_byte": cpu / nbytes, "message_s": rtt / 2}

@@ -41,6 +41,17 @@ def test_table_and_break_even(capsys):
     assert "(a bound" in out
 
 
+def test_collective_cost_option(capsys):
+    args = ["--params", "4M", "--step-ms", "0", "--workers", "8", "--rate", "10gbit",
+            "--profile", "a100-bound", "--methods", "twobit,scatter", "--fusion-bytes", "1",
+            "--json"]
+    base = json.loads(run(args, capsys))["methods"]
+    dear = json.loads(run(args + ["--collective-cost", "1ms"], capsys))["methods"]
+    # no compute to hide them, no fusion: 4 buckets, one collective each (two: the scatter)
+    assert dear["twobit"]["step_s"] - base["twobit"]["step_s"] == pytest.approx(4e-3)
+    assert dear["scatter"]["step_s"] - base["scatter"]["step_s"] == pytest.approx(8e-3)
+
+
 def test_model_option(tmp_path, capsys, monkeypatch):
     (tmp_path / "tiny_model.py").write_text(
         "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(100, 50), "

@@ -112,3 +112,33 @@ def test_fixed_codec_cost_decides_small_buckets():
     assert not compress_pays(small, 4, "allgather", link)
     assert compress_pays(big, 4, "allgather", link)
     assert "s/bucket" in repr(link)
+
+
+def test_decide_follows_the_step_time_model():
+    """decide() compresses a bucket exactly where the step-time model, fed with the measured
+    link, predicts its exchange faster than the plain ring allreduce; the model's terms are the
+    alpha-beta arithmetic by hand with the formats' bytes."""
+    from horovod_twobit import scatter_wire, steptime
+    from horovod_twobit.fallback import Link, decide
+    from horovod_twobit.layout import Layout
+    big, small = Layout([1 << 20]), Layout([3000, 700, 5])
+    cases = [  # layout, N, exchange, measured link, compressed?
+        (big, 4, "allgather", Link(12.5e6, 1e-3, 1e8, 2e-4), True),     # 100 Mbit/s
+        (big, 2, "allgather", Link(125e6, 2e-4, 1e8, 2e-4), True),      # 1 Gbit/s
+        (big, 8, "scatter", Link(125e6, 2e-4, 1e8, 2e-4), True),
+        (small, 2, "allgather", Link(2e9, 1e-4, 2e8, 3e-4), False),     # loopback-fast, small
+        (big, 2, "allgather", Link(50e9, 5e-5, 1e8, 2e-4), False),      # 400 Gbit/s, slow codec
+    ]
+    for lay, N, exchange, link, want in cases:
+        prof, wire = link.profile(), link.wire(N)
+        comp = steptime.bucket_s(lay, exchange, N, wire, prof)
+        plain = steptime.bucket_s(lay, "plain", N, wire, prof)
+        assert plain == pytest.approx(link.latency + 2 * (N - 1) / N * 4 * lay.values / link.rate)
+        if exchange == "allgather":
+            sent = scatter_wire.rank_bytes(lay, N, 0, "allgather")
+            assert comp == pytest.approx(link.latency + (N - 1) * sent / link.rate
+                                         + link.codec_fixed + lay.values / link.codec)
+        decisions = {}
+        plain_now = decide(decisions, ["a", "b"], lay, N, exchange, "auto", lambda: link)
+        assert plain_now == (not comp < plain) == (not want), (lay.numels, N, link, comp, plain)
+        assert list(decisions.values()) == ["compressed" if want else "plain"]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from horovod_twobit import layout, scatter_wire, steptime
+from horovod_twobit import calibrate, layout, scatter_wire, steptime
 
 CPU = steptime.load_profile("cpu")
 BOUND = steptime.load_profile("h100-bound")
@@ -113,6 +113,34 @@ def test_latency_and_cycle_terms():
     assert c.step_s > a.step_s
 
 
+@pytest.mark.parametrize("method,exchange", [("none", "plain"), ("twobit", "allgather"),
+                                             ("auto", "allgather"), ("scatter", "scatter")])
+@pytest.mark.parametrize("nranks", [2, 8])
+def test_a_bucket_alone_is_what_the_step_charges_it(method, exchange, nranks):
+    """bucket_s (what the fallback compares) is predict's step for a model of that one bucket
+    with no compute, less the optimizer: the same terms, not a second model."""
+    sizes = [300000]
+    lay = layout.Layout(sizes, method == "auto",
+                        *(layout.wire.validate_blocks("auto") if method == "auto" else (None, None)))
+    for kw in ({}, {"collective_s": 2e-4, "latency_s": 1e-4, "cycle_s": 3e-3}):
+        step = steptime.predict(sizes, method, nranks, "1gbit", 0.0, BOUND, **kw)
+        wire = steptime.Wire.of_link(nranks, "1gbit", kw.get("latency_s", 25e-6), BOUND,
+                                     kw.get("cycle_s", 1e-3), kw.get("collective_s"))
+        assert steptime.bucket_s(lay, exchange, nranks, wire, BOUND) == pytest.approx(
+            step.step_s - step.parts["optimizer"], rel=1e-12)
+
+
+def test_fixed_cost_per_collective():
+    """collective_s (a profile's, or given) is charged once per collective: one for the
+    allgather exchange, two for the scatter's (alltoall, allgather), one per fused allreduce."""
+    sizes = [300000]
+    for method, collectives in (("twobit", 1), ("scatter", 2), ("none", 1)):
+        a = steptime.predict(sizes, method, 4, "1gbit", 0.0, BOUND).step_s
+        b = steptime.predict(sizes, method, 4, "1gbit", 0.0, BOUND, collective_s=1e-3).step_s
+        c = steptime.predict(sizes, method, 4, "1gbit", 0.0, dict(BOUND, collective_s=1e-3))
+        assert b - a == pytest.approx(collectives * 1e-3) and c.step_s == pytest.approx(b)
+
+
 def test_fusion_saves_messages():
     sizes = [1000] * 200
     fused = steptime.predict(sizes, "none", 32, "10gbit", 0.001, BOUND, latency_s=1e-4)
@@ -162,8 +190,8 @@ def test_unknown_method():
 
 def test_calibrate_writes_a_usable_profile(tmp_path):
     path = tmp_path / "me.json"
-    prof = steptime.calibrate(str(path), sizes=(1024, 4096), ranks=(2, 3), compiled=False, reps=1,
-                              name="me")
+    prof = calibrate.calibrate(str(path), sizes=(1024, 4096), ranks=(2, 3), compiled=False,
+                               reps=1, name="me")
     back = steptime.load_profile(str(path))
     assert back["name"] == "me" and back["kind"] == "measured"
     for k in steptime.CODEC_KEYS:
@@ -176,4 +204,4 @@ def test_calibrate_writes_a_usable_profile(tmp_path):
 
 def test_fit_recovers_coefficients():
     pts = [(n, N, 1e-3 + 2e-5 * N + n * (3e-9 + 4e-10 * N)) for n in (1e4, 1e6) for N in (2, 8)]
-    assert steptime._fit(pts) == pytest.approx([1e-3, 2e-5, 3e-9, 4e-10], rel=1e-6)
+    assert calibrate._fit(pts) == pytest.approx([1e-3, 2e-5, 3e-9, 4e-10], rel=1e-6)

@@ -1,8 +1,8 @@
 """The fallback's measurements (:mod:`horovod_twobit.fallback`) in TensorFlow, as the PyTorch
-binding's (:mod:`horovod_twobit.torch.link`): the link, by timed allreduces of known size through
-Horovod, and the codec rate, by one encode and finish of known size; rank 0's figures are
-broadcast, so every rank decides alike. The codec pass is one encode and the decode-sum of N
-payloads. Runs eagerly: an exchange traced inside a
+binding's (:mod:`horovod_twobit.torch.link`), the step-time model's inputs for its per-bucket
+decision: the link, by timed allreduces of known size through Horovod, and the codec rate, by one
+encode and the decode-sum of N payloads of known size; rank 0's figures are broadcast, so every
+rank decides alike. Runs eagerly: an exchange traced inside a
 ``tf.function`` measures under ``tf.init_scope`` while it is being traced, which every rank does
 at the same point of its program."""
 
@@ -13,7 +13,6 @@ import tensorflow as tf
 import horovod.tensorflow.mpi_ops as mpi_ops
 
 from ..fallback import BIG, Link, figures
-
 
 
 def _allreduce_seconds(values, process_set, tag, repeat=3):

@@ -1,6 +1,7 @@
-"""The fallback's measurements (:mod:`horovod_twobit.fallback`): the link, by timed allreduces of
-known size through Horovod, and the codec rate, by one encode and the decode-sum of N payloads of
-known size on this device; rank 0's figures are broadcast, so every rank decides alike."""
+"""The fallback's measurements (:mod:`horovod_twobit.fallback`), the step-time model's inputs for
+its per-bucket decision: the link, by timed allreduces of known size through Horovod, and the
+codec rate, by one encode and the decode-sum of N payloads of known size on this device; rank 0's
+figures are broadcast, so every rank decides alike."""
 
 import time
 
@@ -10,7 +11,6 @@ import horovod.torch.mpi_ops as mpi_ops
 
 from ..fallback import BIG, Link, figures
 from ..layout import Layout
-
 
 
 def _allreduce_seconds(values, process_set, device, tag, repeat=3):
