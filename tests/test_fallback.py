@@ -142,3 +142,20 @@ def test_decide_follows_the_step_time_model():
         plain_now = decide(decisions, ["a", "b"], lay, N, exchange, "auto", lambda: link)
         assert plain_now == (not comp < plain) == (not want), (lay.numels, N, link, comp, plain)
         assert list(decisions.values()) == ["compressed" if want else "plain"]
+
+
+def test_link_figures_from_allreduces_in_turns(monkeypatch):
+    """The 1-value and BIG-value allreduces take turns and the best of each counts: a round
+    slowed by load (here the first) does not make the link look faster or slower."""
+    from horovod_twobit import fallback
+    clock, calls = [0.0], []
+
+    def allreduce(values, i):
+        calls.append(values)
+        clock[0] += (1e-3 if values == 1 else 5e-3) + (0.05 if i == 0 else 0.0)
+    monkeypatch.setattr(fallback.time, "perf_counter", lambda: clock[0])
+    rate, latency, codec, fixed = fallback.figures(4, allreduce, lambda n: 1e-4 + n / 1e8)
+    assert calls == [1, fallback.BIG] * 5
+    assert latency == pytest.approx(1e-3)
+    assert rate == pytest.approx(2 * 3 / 4 * 4 * fallback.BIG / 4e-3)
+    assert codec == pytest.approx(fallback.BIG / (1e-4 + fallback.BIG / 1e8))

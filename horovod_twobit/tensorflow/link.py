@@ -15,15 +15,14 @@ import horovod.tensorflow.mpi_ops as mpi_ops
 from ..fallback import BIG, Link, figures
 
 
-def _allreduce_seconds(values, process_set, tag, repeat=3):
-    x = tf.zeros([values], tf.float32)
-    best = float("inf")
-    for i in range(repeat):
-        t0 = time.perf_counter()
-        mpi_ops._allreduce(x, name="twobit.link.%s.%d" % (tag, i), op=mpi_ops.Sum,
+def _allreduce(process_set):
+    """``run(values, i)``: one allreduce of ``values`` zeros (1 or ``BIG``), the ``i``-th."""
+    xs = {n: tf.zeros([n], tf.float32) for n in (1, BIG)}
+
+    def run(values, i):
+        mpi_ops._allreduce(xs[values], name="twobit.link.%d.%d" % (values, i), op=mpi_ops.Sum,
                            process_set=process_set).numpy()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return run
 
 
 def _codec_seconds(compressor, nranks, values):
@@ -56,9 +55,7 @@ def measure(process_set, compressor):
                            "first exchange is traced; TF1 graph mode cannot: use fallback=None or "
                            "\"always\" there")
     N = process_set.size()
-    got = figures(N, _allreduce_seconds(1, process_set, "small"),
-                  _allreduce_seconds(BIG, process_set, "big"),
-                  lambda n: _codec_seconds(compressor, max(N, 1), n))
+    got = figures(N, _allreduce(process_set), lambda n: _codec_seconds(compressor, max(N, 1), n))
     got = mpi_ops.broadcast(tf.constant(got, tf.float64), 0, name="twobit.link.figures",
                             process_set=process_set)
     return Link(*got.numpy().tolist())

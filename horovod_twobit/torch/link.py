@@ -13,15 +13,15 @@ from ..fallback import BIG, Link, figures
 from ..layout import Layout
 
 
-def _allreduce_seconds(values, process_set, device, tag, repeat=3):
-    x = torch.zeros(values, dtype=torch.float32, device=device)
-    best = float("inf")
-    for i in range(repeat):
-        t0 = time.perf_counter()
+def _allreduce(process_set, device):
+    """``run(values, i)``: one allreduce of ``values`` zeros (1 or ``BIG``), the ``i``-th."""
+    xs = {n: torch.zeros(n, dtype=torch.float32, device=device) for n in (1, BIG)}
+
+    def run(values, i):
         mpi_ops.synchronize(mpi_ops.allreduce_async_(
-            x, name="twobit.link.%s.%d" % (tag, i), op=mpi_ops.Sum, process_set=process_set))
-        best = min(best, time.perf_counter() - t0)
-    return best
+            xs[values], name="twobit.link.%d.%d" % (values, i), op=mpi_ops.Sum,
+            process_set=process_set))
+    return run
 
 
 def _codec_seconds(device, threshold, nranks, values):
@@ -48,8 +48,7 @@ def _codec_seconds(device, threshold, nranks, values):
 def measure(process_set, device, threshold):
     """A :class:`Link` of ``process_set`` from rank 0's measurements."""
     N = process_set.size()
-    got = figures(N, _allreduce_seconds(1, process_set, device, "small"),
-                  _allreduce_seconds(BIG, process_set, device, "big"),
+    got = figures(N, _allreduce(process_set, device),
                   lambda n: _codec_seconds(device, threshold, N, n))
     got = mpi_ops.broadcast(torch.tensor(got, dtype=torch.float64), 0,
                             name="twobit.link.figures", process_set=process_set)
