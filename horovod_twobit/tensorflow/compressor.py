@@ -95,7 +95,7 @@ class TwoBitCompressor(Compressor, tf.Module):
             ``"scatter"``: each bucket (or tensor) is cut into N chunks; each rank receives the
             2-bit chunks of the one it owns (Horovod's ``alltoall``), sums them and sends the
             sum to all (``allgather``): counts in ceil(log2(2N + 1)) bits per value with a
-            numeric threshold (lossless), or re-encoded in 2 bits with the owner's own residual
+            numeric threshold (lossless), or re-encoded in 3 bits with the owner's own residual
             for "auto" (:mod:`horovod_twobit.tensorflow.scatter_exchange`). ``"auto"``: per
             bucket, whichever sends fewer bytes for its size and N. Every rank must use the same.
         fallback: as in the PyTorch binding. ``None`` (default): always compress. ``"auto"``:
@@ -126,7 +126,7 @@ class TwoBitCompressor(Compressor, tf.Module):
         self.residuals = Residuals()
         # the residuals this rank keeps as owner of scatter chunks ("auto" only), keyed by
         # bucket, and the (rank, size) they belong to
-        self.owners = Residuals(name="owner_residuals")
+        self.owners = Residuals(name="owner_residuals", format_version=scatter_wire.FORMAT_VERSION)
         self._plain.owner_of = None
         self._plain.stats = Slots()
         self._warned = threading.Event()

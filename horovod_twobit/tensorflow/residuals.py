@@ -7,6 +7,15 @@ import warnings
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.trackable import base as trackable
+
+from .. import scatter_wire
+
+FORMAT1_WARNING = (
+    "horovod-twobit: this tf.train.Checkpoint holds scatter owner residuals of scatter format 1 "
+    "(the 2-bit phase 2 of threshold='auto', saved without an owner format version); this "
+    "version uses format %d (a 3-bit phase 2): the owners' residuals restart from zero; the "
+    "workers' residuals are restored" % scatter_wire.FORMAT_VERSION)
 
 
 class _Plain:
@@ -16,6 +25,45 @@ class _Plain:
         self.pending = {}
         self.variables = {}
         self.eager_fns = {}
+        self.tracked = None
+
+
+class _Discard(trackable.Trackable):
+    """Takes one format-1 owner residual from a checkpoint and keeps nothing; the first of a
+    restore (``batch``: the restore's discards) calls ``on_restore``, which warns and sets the
+    owners' residuals to zero."""
+
+    def __init__(self, on_restore, batch):
+        self._on_restore, self._batch, self.restored = on_restore, batch, False
+        batch.append(self)  # alive as long as the restore's view of the checkpoint may look
+
+    def _serialize_to_tensors(self):
+        # read on restore only (for the value's dtype): never saved, see _Format1Owners
+        return {trackable.VARIABLE_VALUE_KEY: tf.zeros([0], tf.float32)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        if not any(d.restored for d in self._batch):
+            self._on_restore()
+        self.restored = True
+        return tf.no_op()
+
+
+class _Format1Owners(trackable.Trackable):
+    """Stands where scatter format 1 saved the owners' residuals (``owners/_tracked/...``, no
+    format version): each one a checkpoint holds there is restored into a :class:`_Discard`.
+    Saves nothing (an empty node): format 2 saves them under ``format<v>``."""
+
+    def __init__(self, on_restore):
+        self._on_restore, self._batch = on_restore, []
+
+    def _trackable_children(self, save_type=trackable.SaveType.CHECKPOINT, **kwargs):
+        # a restore asks for the children once, then looks up each checkpointed one: one
+        # warning per restore
+        self._batch = []
+        return {}
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        return _Discard(self._on_restore, self._batch)
 
 
 def rank_size():
@@ -43,15 +91,33 @@ class Residuals(tf.Module):
     or with another number of ranks (the usual "save on rank 0 only") restores none of them: they
     start from zero, as with :meth:`TwoBitCompressor.load_state_dict`. Save one checkpoint per rank
     to restore them exactly.
+
+    With ``format_version`` (the scatter owners' residuals) they are saved under
+    ``format<v>/rank<r>of<n>/<name>`` instead of ``_tracked/...``; a checkpoint that holds
+    residuals under ``_tracked`` (scatter format 1, whose owners' residuals belong to another
+    phase 2) restores none of them: they restart from zero with a warning, as with
+    :meth:`TwoBitCompressor.load_state_dict`.
     """
 
-    def __init__(self, name="residuals"):
+    def __init__(self, name="residuals", format_version=None):
         super().__init__(name=name)
-        self._tracked = {}  # tracked by tf.Module: "rank<r>of<n>/<name>" -> tf.Variable
         # Plain (untracked) state: name -> tf.Variable, and values from load_state_dict() for
         # residuals not created yet.
         self._plain = _Plain()
         self._lock = threading.RLock()
+        # tracked by tf.Module: "rank<r>of<n>/<name>" -> tf.Variable
+        if format_version is None:
+            self._tracked = {}
+            self._plain.tracked = self._tracked
+        else:
+            setattr(self, "format%d" % format_version, {})
+            self._plain.tracked = getattr(self, "format%d" % format_version)
+            self._tracked = _Format1Owners(self._format1_restored)
+
+    def _format1_restored(self):
+        """A checkpoint restores residuals saved for scatter format 1: warn, restart from zero."""
+        warnings.warn(FORMAT1_WARNING)
+        self.reset()
 
     @property
     def _by_name(self):
@@ -98,7 +164,7 @@ class Residuals(tf.Module):
                         aggregation=tf.VariableAggregation.NONE)
                 self._by_name[name] = r
                 # Tracked inside init_scope: a deferred checkpoint restore runs eagerly, once.
-                self._tracked["rank%dof%d/%s" % (rank_size() + (name,))] = r
+                self._plain.tracked["rank%dof%d/%s" % (rank_size() + (name,))] = r
             return r
 
     def variable(self, name):
@@ -159,7 +225,7 @@ class Residuals(tf.Module):
         next use creates a new one at zero, of the size asked then. Functions traced before keep
         the variables they captured."""
         with self._lock:
-            for k in list(self._tracked):
-                del self._tracked[k]
+            for k in list(self._plain.tracked):
+                del self._plain.tracked[k]
             self._by_name.clear()
             self._plain.pending = {}
