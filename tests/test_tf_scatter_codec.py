@@ -263,3 +263,26 @@ def test_chunks_past_the_compile_size_match_reference():
         grads = _grads([n], nranks, step)
         outs, _, _ = exchange(comps, ["t0"], grads)
         _compare(comps, w, ["t0"], outs, [w.allreduce("t0", [g[0] for g in grads])], step)
+
+
+def test_owner_encode_benchmark_times_both_tf_encodes_of_one_chunk():
+    """horovod_twobit.benchmarks.owner_encode in TensorFlow: the 2-bit baseline is format 1's
+    owner encode (each piece's levels codec.auto_levels', its words codec.pack's, its residual
+    codec.committed's) and both encodes are timed on one chunk, in a tf.function and eagerly."""
+    from horovod_twobit.benchmarks import owner_encode
+    from horovod_twobit.tensorflow import codec
+    chunks, _, _, _ = owner_encode._chunk(4096, 4)
+    pieces, nv = chunks.pieces[1], chunks.values(1)
+    S = tf.constant(np.random.default_rng(5).standard_normal(nv).astype(np.float32))
+    body, new = owner_encode.encode_2bit_tf(chunks, 1, tf.zeros([nv]), S, tf.constant([False]))
+    for i, (_, _, s, n, _) in enumerate(pieces):
+        t, v = codec.auto_levels(tf.zeros([n]), S[s:s + n], "lsq")
+        assert body[i].numpy() == tf.bitcast(v, tf.int32).numpy()
+        np.testing.assert_array_equal(new[s:s + n].numpy(),
+                                      codec.committed(S[s:s + n], tf.zeros([n]), t, v).numpy())
+    t, v = codec.auto_levels(tf.zeros([pieces[0][3]]), S[:pieces[0][3]], "lsq")
+    words = codec.pack(codec.codes(S[:16 * pieces[0][4]], t))
+    np.testing.assert_array_equal(body[len(pieces):len(pieces) + pieces[0][4]].numpy(), words)
+    for path in ("function", "eager"):
+        t2, t3, k = owner_encode.measure_tf(4096, 4, path)
+        assert t2 > 0 and t3 > 0 and k == len(pieces)
