@@ -21,12 +21,13 @@ What one step is made of, on one host (the ranks are alike):
 * **exchange**, on Horovod's background thread, overlapping backward: a collective starts at a
   cycle (``cycle_s``, HOROVOD_CYCLE_TIME) after its input is ready, once the previous one is done;
   allreduces and allgathers that are ready together are fused up to ``fusion_bytes``
-  (HOROVOD_FUSION_THRESHOLD); alltoalls are not fused. Each collective costs a negotiation
-  (2 ceil(log2 N) messages), its messages (alpha each: the link's latency plus the profile's
-  software latency per message) and its bytes at the link's rate (beta: ``rate`` per host, less
-  TCP/IP framing), by the project's own formats (:mod:`horovod_twobit.scatter_wire`, the allgather
-  payload of :mod:`horovod_twobit.layout`); the ring allreduce adds its reduction (per value, for
-  float32 and float16 sums) and the fusion buffer's copies. The scatter exchange's owner
+  (HOROVOD_FUSION_THRESHOLD); alltoalls are not fused. Each collective costs a fixed cost
+  (:class:`Wire`'s ``collective_s``), a negotiation (2 ceil(log2 N) messages), its messages
+  (alpha each: the link's latency plus the profile's software latency per message) and its
+  bytes at the link's rate (beta: ``rate`` per host, less TCP/IP framing), by the project's own
+  formats (:mod:`horovod_twobit.scatter_wire`, the allgather payload of
+  :mod:`horovod_twobit.layout`); the ring allreduce adds its reduction (per value, for float32
+  and float16 sums) and the fusion buffer's copies. The scatter exchange's owner
   reduction sits between its alltoall and its allgather.
 * **decode** (the decode-sum of N payloads and the residual update) on the training thread, bucket
   by bucket as ``synchronize`` reaches them, overlapping the collectives still running.
