@@ -18,18 +18,18 @@ import time
 MLP_SHAPES = [(128, 128), (128,)] * 25 + [(128, 10), (10,)]
 
 
-def timed(fn, args, repeat):
+def timed(fn, args, repeat, clock=time.perf_counter):
     fn(args)  # trace (and compile)
     times = []
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = clock()
         out = fn(args)
         (out[0] if isinstance(out, (list, tuple)) else out).numpy()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return 1e3 * statistics.median(times)
 
 
-def measure(threshold, nranks=2, repeat=200, shapes=MLP_SHAPES):
+def measure(threshold, nranks=2, repeat=200, shapes=MLP_SHAPES, clock=time.perf_counter):
     """{"call": ms, "encode": ms, "encode+finish": ms} for one bucket of ``shapes``."""
     import tensorflow as tf
     import horovod.tensorflow.mpi_ops as mpi_ops
@@ -48,7 +48,7 @@ def measure(threshold, nranks=2, repeat=200, shapes=MLP_SHAPES):
 
     fns = {"call": lambda gs: [tf.identity(g) for g in gs],
            "encode": lambda gs: exchange(gs).payload, "encode+finish": both}
-    return {name: timed(tf.function(fn, autograph=False), gs, repeat) for name, fn in fns.items()}
+    return {name: timed(tf.function(fn, autograph=False), gs, repeat, clock) for name, fn in fns.items()}
 
 
 def main(argv=None):
@@ -57,6 +57,8 @@ def main(argv=None):
     ap.add_argument("--np", type=int, default=2, help="ranks simulated")
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the process's CPU time per call (steadier on a shared machine)")
     args = ap.parse_args(argv)
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
@@ -64,7 +66,8 @@ def main(argv=None):
     xla = os.environ.get("HOROVOD_TWOBIT_COMPILE", "1") != "0"
     print("| threshold | XLA | call | encode | encode + finish |\n|---|---|---|---|---|")
     for t in args.thresholds.split(","):
-        got = measure(t if t == "auto" else float(t), args.np, args.repeat)
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        got = measure(t if t == "auto" else float(t), args.np, args.repeat, clock=clock)
         print("| %s | %s | %.2f ms | %.2f ms | %.2f ms |" % (
             t, "yes" if xla else "no", got["call"], got["encode"], got["encode+finish"]),
             flush=True)

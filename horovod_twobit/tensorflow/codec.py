@@ -12,6 +12,7 @@ Thresholds are numbers, or (for ``threshold="auto"``) 0-d float32 tensors from
 import tensorflow as tf
 
 from .. import wire
+from . import lsq_pass
 
 _SHIFTS = (6, 4, 2, 0)
 
@@ -106,7 +107,7 @@ def _row_levels(x, rule, k, count=None, unrolled=False):
     """(thresholds, magnitudes), float32, one per row of the float32 ``x`` (rows, m > 0).
     ``count``: the rows' lengths as a float64 tensor (inside an XLA body, a run-time value keeps
     XLA from turning the division into a multiplication by a reciprocal); default: m.
-    ``unrolled``: ``lsq`` as one reduction per candidate (the form for XLA bodies)."""
+    ``unrolled``: ``lsq``'s counts and sums as one variadic reduction (XLA bodies only)."""
     a = tf.cast(tf.abs(x), tf.float64)
     total = tf.reduce_sum(a * a if rule == "rms" else a, axis=-1)
     if count is None:
@@ -125,14 +126,8 @@ def _row_levels(x, rule, k, count=None, unrolled=False):
             errs = tf.stack([tf.reduce_sum(tf.where(a >= c, tf.square(a - c), a * a), -1)
                              for c in cuts], -1)
             t = v = tf.gather(ts, tf.argmin(errs, -1), batch_dims=1)
-        elif unrolled:
-            # one reduction per candidate, written out: inside an XLA body each is one loop over
-            # the values, 2.5x faster than the broadcast below (which XLA loops over once per
-            # candidate and row with a float64 temporary); counts in int32, exact
-            sent = [a >= ts[:, i:i + 1] for i in range(len(OPT_MULTIPLES))]
-            counts = tf.cast(tf.stack([tf.reduce_sum(tf.cast(s, tf.int32), -1) for s in sent], -1),
-                             tf.float64)
-            sums = tf.stack([tf.reduce_sum(tf.where(s, a, tf.zeros_like(a)), -1) for s in sent], -1)
+        elif unrolled:  # one loop over the values with 18 accumulators (see lsq_pass)
+            counts, sums = lsq_pass.counts_and_sums(a, ts)
         else:
             # every candidate in one broadcast comparison (rows, multiples, m): a handful of ops
             sent = a[:, None, :] >= ts[:, :, None]
