@@ -13,6 +13,8 @@ Methods: none, fp16 (Horovod's Compression.fp16), twobit (TwoBitCompressor(0.01)
 (TwoBitCompressor("auto")), the last two bucketed (the default) and alone (bucket_bytes=0);
 ``twobit/SIZE`` and ``auto/SIZE`` (e.g. ``twobit/256K``, ``auto/16M``) set bucket_bytes;
 ``twobit_fallback`` and ``auto_fallback`` (also with ``/SIZE``) add ``fallback="auto"``.
+``--read-stats`` adds to each of these a ``+stats`` twin that reads ``compressor.stats()`` after
+every step, and a table of what that costs (:mod:`horovod_twobit.benchmarks.stats_cost`).
 
     .venv/bin/python -m examples.bench_buckets --frameworks torch,tensorflow
 
@@ -39,10 +41,12 @@ import subprocess
 import sys
 import time
 
+from horovod_twobit.benchmarks import stats_cost
+from horovod_twobit.benchmarks.models import tf_model, torch_model
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 METHODS = ["none", "fp16", "twobit", "twobit/alone", "auto", "auto/alone"]
-MLP_LAYERS, MLP_WIDTH = 25, 128  # hidden layers of the "mlp" model, and their width
 
 
 def compression(method, hvd, twobit):
@@ -86,43 +90,16 @@ def interleaved(steps_of, args):
     return times
 
 
-def torch_model(name):
-    import torch
-    nn = torch.nn
-    torch.manual_seed(0)
-    if name == "cnn":
-        class Block(nn.Module):
-            def __init__(self, c):
-                super().__init__()
-                self.a, self.b = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-                self.c, self.d = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-
-            def forward(self, x):
-                return torch.relu(x + self.d(self.c(torch.relu(self.b(self.a(x))))))
-        net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32),
-                            nn.ReLU(), *[Block(32) for _ in range(8)], nn.AdaptiveAvgPool2d(1),
-                            nn.Flatten(), nn.Linear(32, 10))
-        return net, lambda b: torch.randn(b, 3, 16, 16), 10
-    if name == "mlp":
-        layers = []
-        for _ in range(MLP_LAYERS):
-            layers += [nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.ReLU()]
-        net = nn.Sequential(*layers, nn.Linear(MLP_WIDTH, 10))
-        return net, lambda b: torch.randn(b, MLP_WIDTH), 10
-    if name != "transformer":
-        raise ValueError("unknown model %r" % name)
-    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
-
-    class Encoder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(100, 64)
-            self.layers = nn.TransformerEncoder(layer, 8, enable_nested_tensor=False)
-            self.head = nn.Linear(64, 10)
-
-        def forward(self, x):
-            return self.head(self.layers(self.embed(x)).mean(1))
-    return Encoder(), lambda b: torch.randint(0, 100, (b, 32)), 10
+def timed(hvd, steps_of, counts, compressors, args, row, out, read_out, fit=False):
+    """Times the methods of one row in turns (with their ``+stats`` twins under
+    ``--read-stats``) into ``out``: {(row, method): (median step, tensors)}, and ``read_out``:
+    {(row, twin): median stats() read}."""
+    reads = stats_cost.add_reads(steps_of, counts, compressors, fit) if args.read_stats else {}
+    times = interleaved(steps_of, args)
+    for method, t in times.items():
+        out[(row, method)] = (_median_across(hvd, t), counts[method])
+    for twin, d in stats_cost.timed_reads(reads, times).items():
+        read_out[(row, twin)] = _median_across(hvd, d)
 
 
 def run_torch(args):
@@ -131,16 +108,17 @@ def run_torch(args):
     from horovod_twobit.torch import TwoBitCompressor
     torch.set_num_threads(args.threads)
     hvd.init()
-    out = {}
+    out, reads = {}, {}
     for model_name in args.models.split(","):
-        steps_of, counts = {}, {}
+        steps_of, counts, comps = {}, {}, {}
         for method in args.methods.split(","):
             net, data, classes = torch_model(model_name)
             hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+            comps[method] = compression(method, hvd, TwoBitCompressor)
             opt = hvd.DistributedOptimizer(
                 torch.optim.SGD(net.parameters(), lr=0.01),
                 named_parameters=[(method + "." + n, p) for n, p in net.named_parameters()],
-                compression=compression(method, hvd, TwoBitCompressor))
+                compression=comps[method])
             torch.manual_seed(hvd.rank())
             x, y = data(args.batch), torch.randint(0, classes, (args.batch,))
 
@@ -149,41 +127,8 @@ def run_torch(args):
                 torch.nn.functional.cross_entropy(net(x), y).backward()
                 opt.step()
             steps_of[method], counts[method] = step, len(list(net.parameters()))
-        for method, times in interleaved(steps_of, args).items():
-            out[(model_name, method)] = (_median_across(hvd, times), counts[method])
-    return out, hvd.rank()
-
-
-def tf_model(name):
-    import tensorflow as tf
-    L = tf.keras.layers
-    tf.keras.utils.set_random_seed(0)
-    if name == "cnn":
-        inp = tf.keras.Input((16, 16, 3))
-        h = L.ReLU()(L.BatchNormalization()(L.Conv2D(32, 3, padding="same", use_bias=False)(inp)))
-        for _ in range(8):
-            a = L.ReLU()(L.BatchNormalization()(L.Conv2D(32, 3, padding="same", use_bias=False)(h)))
-            a = L.BatchNormalization()(L.Conv2D(32, 3, padding="same", use_bias=False)(a))
-            h = L.ReLU()(h + a)
-        out = L.Dense(10)(L.GlobalAveragePooling2D()(h))
-        return tf.keras.Model(inp, out), lambda b: tf.random.normal((b, 16, 16, 3))
-    if name == "mlp":
-        inp = tf.keras.Input((MLP_WIDTH,))
-        h = inp
-        for _ in range(MLP_LAYERS):
-            h = L.Dense(MLP_WIDTH, activation="relu")(h)
-        return tf.keras.Model(inp, L.Dense(10)(h)), lambda b: tf.random.normal((b, MLP_WIDTH))
-    if name != "transformer":
-        raise ValueError("unknown model %r" % name)
-    inp = tf.keras.Input((32,), dtype="int32")
-    h = L.Embedding(100, 64)(inp)
-    for _ in range(7):
-        a = L.MultiHeadAttention(4, 16)(h, h)
-        h = L.LayerNormalization()(h + a)
-        f = L.Dense(64)(L.Dense(128, activation="relu")(h))
-        h = L.LayerNormalization()(h + f)
-    out = L.Dense(10)(L.GlobalAveragePooling1D()(h))
-    return tf.keras.Model(inp, out), lambda b: tf.random.uniform((b, 32), 0, 100, tf.int32)
+        timed(hvd, steps_of, counts, comps, args, model_name, out, reads)
+    return out, reads, hvd.rank()
 
 
 def run_tf(args):
@@ -195,26 +140,26 @@ def run_tf(args):
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     hvd.init()
-    out = {}
+    out, reads = {}, {}
     for model_name in args.models.split(","):
         for loop in args.tf_loops.split(","):
             if loop not in ("tape", "fit"):
                 raise ValueError("unknown TensorFlow loop %r (tape or fit)" % loop)
             row = model_name if loop == "tape" else "%s (fit)" % model_name
-            steps_of, counts = {}, {}
+            steps_of, counts, comps = {}, {}, {}
             for method in args.methods.split(","):
-                steps_of[method], counts[method] = tf_step(model_name, loop, method, args, tf,
-                                                           hvd, hvd_keras, TwoBitCompressor)
-            for method, times in interleaved(steps_of, args).items():
-                out[(row, method)] = (_median_across(hvd, times), counts[method])
+                steps_of[method], counts[method], comps[method] = tf_step(
+                    model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor)
+            timed(hvd, steps_of, counts, comps, args, row, out, reads, fit=loop == "fit")
             if args.profile:
                 for method, fn in steps_of.items():
                     out[(row, method)] += (tf_profile.profile(fn, args.profile),)
-    return out, hvd.rank()
+    return out, reads, hvd.rank()
 
 
 def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor):
-    """(a function that runs one synchronous training step, the number of trainable tensors)."""
+    """(a function that runs one synchronous training step, the number of trainable tensors,
+    the compression)."""
     net, data = tf_model(model_name)
     comp = compression(method, hvd, TwoBitCompressor)
     tf.random.set_seed(hvd.rank())
@@ -227,7 +172,7 @@ def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor
         net.compile(optimizer=opt, loss=loss_fn)
         batches = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
         train = net.make_train_function()
-        return (lambda: train(batches)["loss"].numpy()), len(net.trainable_variables)
+        return (lambda: train(batches)["loss"].numpy()), len(net.trainable_variables), comp
     opt = tf.keras.optimizers.SGD(0.01)
 
     @tf.function
@@ -239,7 +184,7 @@ def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor
         opt.apply_gradients(zip(grads, net.trainable_variables))
         return loss
 
-    return (lambda: step(x, y).numpy()), len(net.trainable_variables)
+    return (lambda: step(x, y).numpy()), len(net.trainable_variables), comp
 
 
 def _median_across(hvd, times):
@@ -285,12 +230,18 @@ def main(argv=None):
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="TensorFlow: after timing, trace this many steps of each method with "
                          "TensorFlow's profiler and print the ops' time per step by kind (ms)")
+    ap.add_argument("--read-stats", action="store_true",
+                    help="also time every compressed method with compressor.stats() read after "
+                         "each step (Keras fit: TwoBitStatsCallback(every=1)) and print the "
+                         "overhead as a percentage of the step")
     ap.add_argument("--worker", choices=["torch", "tensorflow"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        results, rank = (run_torch if args.worker == "torch" else run_tf)(args)
+        results, reads, rank = (run_torch if args.worker == "torch" else run_tf)(args)
         if rank == 0:
             print(table(results, args.worker), flush=True)
+            if reads:
+                print("\n" + stats_cost.table(results, reads, args.worker), flush=True)
             if args.profile and args.worker == "tensorflow":
                 from horovod_twobit.benchmarks import tf_profile
                 print("\n" + tf_profile.table(results, args.worker), flush=True)

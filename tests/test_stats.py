@@ -1,7 +1,8 @@
 """TwoBitCompressor.stats(), checked against values computed independently: bytes from the
 formats' own counts (Layout.payload_words, scatter_wire.Chunks), the fraction sent and the levels
 from the NumPy reference's replay of the same gradients, residual norms from the reference's
-residuals, the NaN step counted once, and reset=True clearing the running sums."""
+residuals, the NaN step counted once, and reset=True clearing the running sums; TensorFlow's read
+as one traced call made once, and the bucket benchmark's stats-reading twins."""
 
 import json
 
@@ -164,3 +165,69 @@ def test_sent_codes_are_counted_per_two_bit_code():
         assert _high_bits(words) == want
     assert _high_bits(np.full(3, 0xFFFFFFFF, np.uint32)) == 48  # every code 11
     assert _high_bits(np.full(3, 0x55555555, np.uint32)) == 0  # every code 01 (never sent)
+
+
+def test_tf_stats_are_read_by_one_cached_traced_call(monkeypatch):
+    """TensorFlow: a compressor's slots and residual norms are read by one traced call, made once
+    per ``per_tensor`` and made again only when the slots change; the norms it returns per bucket
+    and per tensor against NumPy's (float64 sums of squares, exact max |r|)."""
+    tf = pytest.importorskip("tensorflow")
+    from horovod_twobit.tensorflow import stats as tf_stats
+    from horovod_twobit.tensorflow.residuals import Residuals
+    made, real = [], tf_stats._read_fn
+    monkeypatch.setattr(tf_stats, "_read_fn", lambda *a: made.append(a) or real(*a))
+    rng = np.random.default_rng(0)
+    sizes = {"a": 5000, "b": 40, "c": 300, "d": 0}  # one above SMALL, the others below
+    residuals, want = Residuals(), {}
+    for n, k in sizes.items():
+        want[n] = (rng.standard_normal(k) * 0.01).astype(np.float32)
+        residuals.get(n, tf.zeros([k])).assign(want[n])
+    slots, read = tf_stats.Slots(), tf_stats.residual_norms(residuals)
+
+    def step(names):
+        lay = Layout([sizes[n] for n in names], False, None, None)
+        slots.record(lay, names, "allgather", 2, 0, tf.zeros([lay.payload_words], tf.int32),
+                     [tf.zeros([sizes[n]]) for n in names])
+
+    def norms(names):
+        x = np.concatenate([want[n] for n in names]).astype(np.float64)
+        return pytest.approx(np.sqrt((x * x).sum()), rel=1e-14), float(np.abs(x).max(initial=0))
+
+    step(["a", "b"])
+    for _ in range(3):
+        st = slots.snapshot(read, 0.5)
+    assert len(made) == 1
+    step(["c", "d"])
+    st = slots.snapshot(read, 0.5)
+    assert len(made) == 2 and st["bucket_steps"]["allgather"] == 2
+    for b in st["buckets"].values():
+        assert (b["residual_l2"], b["residual_max"]) == norms(b["tensors"])
+    st = slots.snapshot(read, 0.5, per_tensor=True)
+    slots.snapshot(read, 0.5)
+    assert len(made) == 3
+    for n in sizes:
+        assert (st["tensors"][n]["residual_l2"], st["tensors"][n]["residual_max"]) == norms([n])
+
+
+def test_bucket_benchmark_times_a_stats_reading_twin_of_each_compressed_method():
+    """bench_buckets --read-stats: a ``+stats`` twin after each compressed method, which runs its
+    step and then reads the stats (timed), and the table of what that costs."""
+    from horovod_twobit.benchmarks import stats_cost
+    calls = []
+
+    class Compressor:
+        def stats(self):
+            calls.append(1)
+            return {}
+    steps = {m: (lambda: None) for m in ("none", "twobit", "auto_fallback/alone")}
+    counts = dict.fromkeys(steps, 52)
+    reads = stats_cost.add_reads(steps, counts, {"none": None, "twobit": Compressor(),
+                                                 "auto_fallback/alone": Compressor()})
+    assert list(steps) == ["none", "twobit", "twobit+stats", "auto_fallback/alone",
+                           "auto_fallback/alone+stats"]
+    for fn in steps.values():
+        fn()
+    assert len(calls) == 2 and [len(d) for d in reads.values()] == [1, 1]
+    results = {("mlp", "twobit"): (0.020, 52), ("mlp", "twobit+stats"): (0.021, 52)}
+    table = stats_cost.table(results, {("mlp", "twobit+stats"): 0.0004}, "torch")
+    assert "| mlp | twobit | 20.0 | 21.0 | +5.0 % | 0.40 | 2.0 % |" in table

@@ -14,8 +14,9 @@ class TwoBitStatsCallback(tf.keras.callbacks.Callback):
         model.fit(..., callbacks=[TwoBitStatsCallback(compressor),
                                   tf.keras.callbacks.CSVLogger("log.csv")])
 
-    Reading the stats fetches a few variables per bucket from the device; with ``every`` unset
-    that happens once an epoch."""
+    Reading the stats is one traced call that fetches every bucket's stats variables and its
+    residuals' norms (``docs/design.md`` says what it costs per step); with ``every`` unset that
+    happens once an epoch."""
 
     def __init__(self, compressor, every=None):
         super().__init__()
