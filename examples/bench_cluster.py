@@ -395,7 +395,8 @@ def driver(args):
     return 0 if all(not r["failed"] for r in results) else 1
 
 
-def main(argv=None):
+def parser():
+    """The command line (driver and worker options); tests build their ``args`` from it."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=4)
@@ -456,7 +457,11 @@ def main(argv=None):
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--master", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     if args.worker:
         return worker(args)
     if args.measure_headroom:
