@@ -216,7 +216,8 @@ def main_calibrate(argv):
     p.add_argument("--name", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: one core "
                                                           "per worker, as the emulation's hosts)")
-    p.add_argument("--sizes", default="64K,1M,4M")
+    p.add_argument("--sizes", default="64K,256K,1M,4M,16M",
+                   help="bucket sizes in values, spanning the cache (default %(default)s)")
     p.add_argument("--ranks", default="2,4,8")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--eager", action="store_true", help="time the uncompiled codec")
@@ -229,6 +230,13 @@ def main_calibrate(argv):
     for k in steptime.CODEC_KEYS:
         c0, c1, a, b = prof["codec"][k]
         print("  %-20s %.3g s + %.3g s x N + n x (%.3g + %.3g x N) s" % (k, c0, c1, a, b))
+    by_size = prof["codec_by_size"]
+    print("per-value rate by bucket size (a + b N, ns):", ", ".join(
+        _count(n) for n in by_size["sizes"]))
+    for k in steptime.CODEC_KEYS:
+        e = by_size["keys"][k]
+        print("  %-20s %.3g s + %.3g s x N; %s" % (k, e["fixed"][0], e["fixed"][1], ", ".join(
+            "%.3g + %.3g N" % (a * 1e9, b * 1e9) for a, b in e["per_value"])))
     for k in ("sum_fp32_s", "sum_fp16_s", "cast_fp16_s", "copy_s_per_byte", "optimizer_s",
               "kernel_s_per_byte", "message_s"):
         print("  %-20s %.3g" % (k, prof[k]))

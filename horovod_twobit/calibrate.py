@@ -1,6 +1,8 @@
 """A device profile for the step-time model (:mod:`horovod_twobit.steptime`) measured on this
 machine: ``python -m horovod_twobit.advise calibrate``. Each codec call is timed with the
-project's own PyTorch codec functions and fitted as ``c0 + c1 N + n (a + b N)``; the other costs
+project's own PyTorch codec functions at bucket sizes that span the cache and fitted as
+``c0 + c1 N + n (a + b N)``, and as ``c0 + c1 N + n (a(n) + b(n) N)`` with a per-value rate for
+each size timed (``codec_by_size``, :mod:`horovod_twobit.profile`); the other costs
 the model takes per value (sums, copies, casts, the optimizer), per byte (the kernel's TCP work)
 and per message are timed alike."""
 
@@ -12,14 +14,15 @@ from . import scatter_wire as _sw
 from .steptime import CODEC_KEYS
 
 
-def calibrate(path=None, sizes=(1 << 16, 1 << 20), ranks=(2, 8), threads=1, compiled=True,
+def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ranks=(2, 4, 8),
+              threads=1, compiled=True,
               reps=5, name="cpu"):
     """Measures this machine's codec rates with the project's own codec functions (PyTorch,
     ``threads`` threads, the compiled path unless ``compiled=False``; the ones
     ``horovod_twobit.benchmarks.codec`` times, plus the "auto" and scatter ones) and the costs the
     model takes per value (sums, copies, casts, the optimizer, the kernel's TCP work per byte, the
     software latency of a message). Each codec call is fitted as ``c0 + c1 N + n (a + b N)`` from
-    the sizes and rank counts timed. Returns the profile and writes it to ``path`` (JSON)."""
+    the sizes and rank counts timed, and by size (:func:`_fit_by_size`). Returns the profile and writes it to ``path`` (JSON)."""
     import platform
     import torch
     from .torch import kernels
@@ -33,6 +36,8 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 20), ranks=(2, 8), threads=1, comp
                 for key, secs in _time_codec(int(n), int(N), reps).items():
                     points[key].append((int(n), int(N), secs))
         codec = {k: _fit(v) for k, v in points.items()}
+        by_size = {"sizes": sorted({int(n) for n in sizes}),
+                   "keys": {k: _fit_by_size(v) for k, v in points.items()}}
         per = _time_per_value(1 << 22, reps)
     finally:
         kernels.COMPILE_MIN_NUMEL = old
@@ -41,7 +46,7 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 20), ranks=(2, 8), threads=1, comp
                       "codec, torch %s)" % (platform.node() or "?", _cpu_name(), threads,
                                            "compiled" if compiled else "eager", torch.__version__),
             "note": "one host = one core doing compute, codec and the exchange's CPU work",
-            "codec": codec, "points": points}
+            "codec": codec, "codec_by_size": by_size, "points": points}
     prof.update(per)
     prof.update(_time_network())
     if path:
@@ -62,14 +67,17 @@ def _cpu_name():
 
 
 def _median_time(fn, reps):
+    """The median CPU seconds of ``fn`` (this process's, one thread): what one core of a host
+    spends on it, which the other jobs of a shared machine do not inflate as they do its wall
+    time."""
     import statistics
     import time
     fn()
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(time.process_time() - t0)
     return statistics.median(ts)
 
 
@@ -118,20 +126,52 @@ def _time_codec(n, N, reps):
     return out
 
 
-def _fit(points):
-    """Least-squares (c0, c1, a, b) of seconds = c0 + c1 N + n (a + b N), each >= 0."""
+def _nonneg_lstsq(A, y):
+    """Least squares of A x = y with every x >= 0 (the most negative one dropped until none)."""
     import numpy as np
-    A = np.array([[1.0, N, n, n * N] for n, N, _ in points])
-    y = np.array([s for _, _, s in points])
-    keep = list(range(4))
+    keep = list(range(A.shape[1]))
     while True:
-        coef = np.zeros(4)
+        coef = np.zeros(A.shape[1])
         sol, *_ = np.linalg.lstsq(A[:, keep], y, rcond=None)
         coef[keep] = sol
         neg = [k for k in keep if coef[k] < 0]
         if not neg:
             return [float(c) for c in coef]
         keep.remove(min(neg, key=lambda k: coef[k]))
+
+
+def _fit(points):
+    """Least-squares (c0, c1, a, b) of seconds = c0 + c1 N + n (a + b N), each >= 0."""
+    import numpy as np
+    A = np.array([[1.0, N, n, n * N] for n, N, _ in points])
+    return _nonneg_lstsq(A, np.array([s for _, _, s in points]))
+
+
+def _fit_by_size(points):
+    """The fixed cost ``[c0, c1]`` of the two smallest sizes timed (the :func:`_fit` line through
+    them: in cache, where a call's time is c0 + c1 N + n (a + b N)) and, per size timed
+    (ascending), the per-value rate ``[a, b]`` of seconds - c0 - c1 N = n (a_n + b_n N), each
+    >= 0: the codec's rate at that size over the same fixed cost."""
+    import numpy as np
+    sizes = sorted({n for n, _, _ in points})
+    c0, c1, _, _ = _fit([p for p in points if p[0] in sizes[:2]])
+    per_value = []
+    for n in sizes:
+        at = [(N, secs) for m, N, secs in points if m == n]
+        A = np.array([[1.0, N] for N, _ in at])
+        y = np.array([(secs - c0 - c1 * N) / n for N, secs in at])
+        per_value.append(_nonneg_lstsq(A, y))
+    return {"fixed": [c0, c1], "per_value": per_value}
+
+
+def refit(prof):
+    """``prof`` with its ``codec`` and ``codec_by_size`` fitted again from its timed ``points``
+    (a profile written before the fits changed, or with points added)."""
+    points = {k: [tuple(p) for p in v] for k, v in prof["points"].items()}
+    prof = dict(prof, codec={k: _fit(v) for k, v in points.items()})
+    prof["codec_by_size"] = {"sizes": sorted({n for v in points.values() for n, _, _ in v}),
+                             "keys": {k: _fit_by_size(v) for k, v in points.items()}}
+    return prof
 
 
 def _time_per_value(n, reps):

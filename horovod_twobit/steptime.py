@@ -42,29 +42,28 @@ Codec costs come from a device profile (:func:`load_profile`): JSON written by
 :func:`horovod_twobit.calibrate.calibrate` (this machine's measured rates, ``python -m
 horovod_twobit.advise calibrate``) or shipped under
 ``horovod_twobit/profiles/`` (GPU entries are memory-bandwidth bounds, labelled so, with their
-source). Pure Python; importing this module imports neither torch nor Horovod.
+source; :mod:`horovod_twobit.profile`: a measured profile's codec rate depends on the bucket's
+size). Pure Python; importing this module imports neither torch nor Horovod.
 """
 
 import bisect
 import json
 import math
-import os
 import re
 
 from . import layout as _layout
 from . import scatter_wire as _sw
 from . import wire as _wire
+from .profile import (CODEC_KEYS, PROFILE_DIR, bandwidth_bound_profile, codec_s,  # noqa: F401
+                      load_profile, profile_names)
 
 METHODS = ("none", "fp16", "twobit", "auto", "scatter", "scatter_auto", "powersgd")
 LABELS = {"none": "Horovod, no compression (ring allreduce)", "fp16": "Horovod, Compression.fp16",
           "twobit": "TwoBit, allgather", "auto": 'TwoBit "auto", allgather',
           "scatter": "TwoBit, scatter", "scatter_auto": 'TwoBit "auto", scatter',
           "powersgd": "PowerSGD rank r (reference)"}
-PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 # TCP payload per byte on an Ethernet link: MSS 1448 (timestamps) in a 1514-byte frame
 TCP_EFFICIENCY = 1448.0 / 1514.0
-CODEC_KEYS = ("encode", "encode_auto", "finish", "finish_auto", "scatter_encode",
-              "scatter_encode_auto", "owner", "owner_auto", "scatter_finish", "scatter_finish_auto")
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -111,64 +110,6 @@ def sizes_from(model, tensor_values=1 << 20):
         raise ValueError("a model needs at least one value")
     full, rest = divmod(total, tensor_values)
     return [tensor_values] * full + ([rest] if rest else [])
-
-
-# ---------------------------------------------------------------------------------- profiles
-def load_profile(name_or_path):
-    """A profile dict: a path to JSON, or the name of one in horovod_twobit/profiles/ ("cpu",
-    "h100-bound", ...)."""
-    if isinstance(name_or_path, dict):
-        return name_or_path
-    path = name_or_path
-    if not os.path.exists(path):
-        path = os.path.join(PROFILE_DIR, name_or_path + ".json")
-    if not os.path.exists(path):
-        raise ValueError("no profile %r (a JSON file, or one of %s)" % (
-            name_or_path, ", ".join(profile_names())))
-    with open(path) as f:
-        prof = json.load(f)
-    missing = [k for k in CODEC_KEYS if k not in prof.get("codec", {})]
-    if missing:
-        raise ValueError("profile %s lacks codec entries %s" % (path, missing))
-    return prof
-
-
-def profile_names():
-    try:
-        return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
-    except OSError:
-        return []
-
-
-def codec_s(prof, key, values, nranks):
-    """Seconds of one codec call on a bucket of ``values`` values among ``nranks`` ranks:
-    ``c0 + c1 N + values (a + b N)`` with the profile's coefficients."""
-    c0, c1, a, b = prof["codec"][key]
-    return max(0.0, c0 + c1 * nranks + values * (a + b * nranks))
-
-
-def bandwidth_bound_profile(name, bytes_per_s, source, call_s=3e-5, message_s=1e-5):
-    """A profile whose codec runs at a device's memory bandwidth (``bytes_per_s``): a lower bound
-    on its time, not a measurement. Bytes per value: encode reads g and r and writes 2 bits
-    (8.25); "auto" reads them once more for its levels (16.25); the finish reads g, r and N
-    payloads of 2 bits and writes the result and r (16 + N / 4); the scatter owner reads N chunks
-    of 2 bits per value of its chunk and writes the counts; the reductions read two operands and
-    write one. ``call_s``: a few kernel launches per call (an assumption, not measured)."""
-    s = 1.0 / bytes_per_s
-    return {
-        "name": name, "kind": "bound", "source": source, "serial": False,
-        "note": "memory-bandwidth bound: the codec's bytes per value at %.3g TB/s; not a "
-                "measurement" % (bytes_per_s / 1e12),
-        "codec": {
-            "encode": [call_s, 0, 8.25 * s, 0], "encode_auto": [2 * call_s, 0, 16.25 * s, 0],
-            "finish": [call_s, 0, 16 * s, 0.25 * s], "finish_auto": [call_s, 0, 16 * s, 0.25 * s],
-            "scatter_encode": [call_s, 0, 8.5 * s, 0], "scatter_encode_auto": [2 * call_s, 0, 16.5 * s, 0],
-            "owner": [call_s, 0, 0.5 * s, 0], "owner_auto": [2 * call_s, 0, 8.5 * s, 0],
-            "scatter_finish": [call_s, 0, 17 * s, 0], "scatter_finish_auto": [call_s, 0, 16.5 * s, 0]},
-        "sum_fp32_s": 12 * s, "sum_fp16_s": 6 * s, "cast_fp16_s": 6 * s, "copy_s_per_byte": 2 * s,
-        "optimizer_s": 16 * s, "powersgd_s": 4 * s, "kernel_s_per_byte": 0.0,
-        "message_s": message_s,
-    }
 
 
 # ------------------------------------------------------------------------------------ bytes
@@ -219,7 +160,8 @@ def _units(sizes, method, nranks, prof, bucket_bytes):
     """The units of a step in the order their gradients become ready (fresh objects; their
     sizes, bytes and codec costs are computed once per model, method, N and profile)."""
     key = (tuple(sizes), method, nranks, bucket_bytes,
-           json.dumps([prof["codec"], prof["cast_fp16_s"]], sort_keys=True))
+           json.dumps([prof["codec"], prof.get("codec_by_size"), prof["cast_fp16_s"]],
+                      sort_keys=True))
     if key not in _CACHE:
         if len(_CACHE) > 4096:
             _CACHE.clear()

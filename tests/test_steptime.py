@@ -194,9 +194,11 @@ def test_calibrate_writes_a_usable_profile(tmp_path):
                                reps=1, name="me")
     back = steptime.load_profile(str(path))
     assert back["name"] == "me" and back["kind"] == "measured"
+    assert back["codec_by_size"]["sizes"] == [1024, 4096]
     for k in steptime.CODEC_KEYS:
         assert len(back["codec"][k]) == 4 and min(back["codec"][k]) >= 0
         assert steptime.codec_s(back, k, 4096, 2) > 0
+        assert len(back["codec_by_size"]["keys"][k]["per_value"]) == 2
     for k in ("sum_fp32_s", "sum_fp16_s", "copy_s_per_byte", "kernel_s_per_byte", "message_s"):
         assert prof[k] > 0
     assert steptime.predict([4096], "scatter", 2, 1e9, 0.01, str(path)).step_s > 0.01
@@ -205,3 +207,62 @@ def test_calibrate_writes_a_usable_profile(tmp_path):
 def test_fit_recovers_coefficients():
     pts = [(n, N, 1e-3 + 2e-5 * N + n * (3e-9 + 4e-10 * N)) for n in (1e4, 1e6) for N in (2, 8)]
     assert calibrate._fit(pts) == pytest.approx([1e-3, 2e-5, 3e-9, 4e-10], rel=1e-6)
+
+
+def test_fit_by_size_recovers_each_sizes_rate():
+    rate = {1 << 16: (2e-9, 1e-10), 1 << 20: (2e-9, 1e-10), 1 << 24: (5e-9, 3e-10)}
+    pts = [(n, N, 1e-3 + 2e-5 * N + n * (a + b * N)) for n, (a, b) in rate.items() for N in (2, 4, 8)]
+    fit = calibrate._fit_by_size(pts)
+    assert fit["fixed"] == pytest.approx([1e-3, 2e-5], rel=1e-6)
+    assert fit["per_value"] == [pytest.approx(list(rate[n]), rel=1e-6) for n in sorted(rate)]
+    again = calibrate.refit({"points": {k: pts for k in steptime.CODEC_KEYS}, "codec": {}})
+    assert again["codec_by_size"]["keys"]["encode"] == fit
+
+
+def _two_sizes(prof):
+    """``prof`` with every codec call at 1e-4 s + 2e-5 s N fixed and a per-value rate of
+    (1 + 0.1 N) ns at 1 M values and (3 + 0.3 N) ns at 4 M."""
+    return dict(prof, codec_by_size={"sizes": [1 << 20, 1 << 22], "keys": {
+        k: {"fixed": [1e-4, 2e-5], "per_value": [[1e-9, 1e-10], [3e-9, 3e-10]]}
+        for k in steptime.CODEC_KEYS}})
+
+
+@pytest.mark.parametrize("values,a,b", [(1 << 20, 1e-9, 1e-10),          # at the points
+                                        (1 << 22, 3e-9, 3e-10),
+                                        (1 << 21, 2e-9, 2e-10),          # between: log-midpoint
+                                        (1 << 16, 1e-9, 1e-10),          # beyond: the end points
+                                        (1 << 26, 3e-9, 3e-10)])
+def test_rate_by_size_at_between_and_beyond_the_points(values, a, b):
+    prof = _two_sizes(CPU)
+    assert steptime.codec_s(prof, "encode_auto", values, 4) == pytest.approx(
+        1e-4 + 2e-5 * 4 + values * (a + b * 4), rel=1e-12)
+
+
+def test_profile_without_rates_by_size_predicts_as_its_codec_says(tmp_path):
+    old = {k: v for k, v in CPU.items() if k != "codec_by_size"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    back = steptime.load_profile(str(path))
+    for k in steptime.CODEC_KEYS:
+        c0, c1, a, b = old["codec"][k]
+        assert steptime.codec_s(back, k, 5 << 20, 8) == pytest.approx(
+            max(0.0, c0 + 8 * c1 + (5 << 20) * (a + 8 * b)), rel=1e-12)
+    sizes = [1 << 24, 1 << 22, 4096, 300]
+    for m in ("twobit", "auto", "scatter", "scatter_auto"):
+        flat = steptime.predict(sizes, m, 4, "1gbit", 0.2, back)
+        same = _two_sizes(back)
+        same["codec_by_size"]["keys"] = {k: {"fixed": old["codec"][k][:2],
+                                             "per_value": [old["codec"][k][2:]] * 2}
+                                         for k in steptime.CODEC_KEYS}
+        assert steptime.predict(sizes, m, 4, "1gbit", 0.2, same).step_s == pytest.approx(
+            flat.step_s, rel=1e-12)
+        assert steptime.predict(sizes, m, 4, "1gbit", 0.2, _two_sizes(back)).step_s != flat.step_s
+
+
+def test_rates_by_size_are_checked(tmp_path):
+    path = tmp_path / "bad.json"
+    bad = _two_sizes({k: v for k, v in CPU.items() if k != "codec_by_size"})
+    bad["codec_by_size"]["keys"]["encode"]["per_value"].pop()
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="codec_by_size"):
+        steptime.load_profile(str(path))
