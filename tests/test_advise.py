@@ -101,6 +101,7 @@ def test_compare_and_summary(tmp_path):
     s = advise.summary(got)
     assert s["rows"] == 3 and s["worst_abs_error"] == pytest.approx(1.0)
     assert s["median_abs_error"] == pytest.approx(1 - 1 / 1.2)
+    assert got[0]["spread_s"] is None and got[0]["codec_predicted_s"] == 0.0
     fastest_measured = min(got, key=lambda r: r["measured_s"])["method"]
     fastest_predicted = min(got, key=lambda r: r["predicted_s"])["method"]
     assert s["fastest_hits"] == int(fastest_measured == fastest_predicted) and s["cells"] == 1
@@ -118,3 +119,14 @@ def test_validate_cli_on_bench_output(tmp_path):
     assert "rows 3: median |error|" in out.stdout
     v = json.loads((tmp_path / "v.json").read_text())
     assert len(v["rows"]) == 3 and v["rows"][0]["model"] == "mlp"
+
+
+def test_compare_reports_the_parts_the_model_lacks(tmp_path):
+    row = dict(_row("m", "twobit", 0.5), codec_s=0.03, wait_s=0.2, cpu_step_s=0.4)
+    got = advise.compare([_bench_json(tmp_path / "b.json", [_row("m", "none", 0.4), row])],
+                         "cpu", sizes_of=lambda model, args: [1 << 20] * 4)[1]
+    p = steptime.predict([1 << 20] * 4, "twobit", 4, "1gbit", 0.1, "cpu", latency_s=0.0)
+    assert got["spread_s"] == pytest.approx(0.5 - 0.1 - 0.03 - 0.2)
+    assert got["codec_measured_s"] == 0.03 and got["cpu_measured_s"] == 0.4
+    assert got["codec_predicted_s"] == pytest.approx(p.parts["codec"])
+    assert got["cpu_predicted_s"] == pytest.approx(p.parts["cpu"])

@@ -1,0 +1,120 @@
+"""The step-time model (:mod:`horovod_twobit.steptime`) against measured steps: every Horovod row of
+``examples/bench_cluster.py``'s JSON, predicted with the row's own model, hosts, rate and the
+cell's no-compression compute, and what the model lacks per row (the measured codec and CPU per
+step against the predicted, the spread of the slowest host).
+
+    python -m horovod_twobit.advise validate build/emu/*/bench_cluster.json --json-out rows.json
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+from . import steptime
+
+EMU_METHODS = ("none", "fp16", "twobit", "auto", "scatter", "scatter_auto")
+
+
+def bench_sizes(model, bench_args):
+    """Tensor sizes of a bench_cluster model, built as its worker builds it."""
+    import os
+    import types
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    from examples._cluster_worker import build
+    a = types.SimpleNamespace(mlp_hidden=bench_args.get("mlp_hidden", 4096),
+                              mlp_in=bench_args.get("mlp_in", 1024),
+                              cnn_channels=bench_args.get("cnn_channels", 16))
+    net, _ = build(model, a)
+    return steptime.sizes_from(net)
+
+
+def compare(paths, profile="cpu", sizes_of=None, **kw):
+    """Rows of predicted against measured real-host step for every Horovod row of bench_cluster
+    JSON files (``<out>/bench_cluster.json``). Compute per step: the cell's no-compression
+    row's measured compute (the model's input), the same for every method of the cell."""
+    sizes_of = sizes_of or bench_sizes
+    prof = steptime.load_profile(profile)
+    rows, cache = [], {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        bargs = data.get("args", {})
+        hosts = int(bargs.get("hosts", 4))
+        res = [r for r in data["results"] if not r.get("failed") and r["method"] in EMU_METHODS]
+        for r in res:
+            base = next((b for b in res if b["model"] == r["model"] and b["rate"] == r["rate"]
+                         and b["method"] == "none"), None)
+            if base is None or base.get("compute_s") is None:
+                continue
+            key = (r["model"], bargs.get("mlp_hidden"), bargs.get("mlp_in"),
+                   bargs.get("cnn_channels"))
+            if key not in cache:
+                cache[key] = sizes_of(r["model"], bargs)
+            p = steptime.predict(cache[key], r["method"], hosts, r["rate"], base["compute_s"],
+                                 prof, latency_s=kw.get("latency_s", 0.0),
+                                 bucket_bytes=bargs.get("bucket_bytes"))
+            rows.append({"source": path, "hosts": hosts, "rate": r["rate"], "model": r["model"],
+                         "method": r["method"], "measured_s": r["real_step_s"],
+                         "predicted_s": p.step_s, "error": p.step_s / r["real_step_s"] - 1,
+                         "bound": p.parts["bound"], "cpus_per_host": r.get("cpus_per_host"),
+                         "dilation": r.get("dilation"), **_parts_against(r, p)})
+    return rows
+
+
+def _parts_against(r, p):
+    """What the model lacks, row by row: the measured codec and CPU per step against the
+    predicted, and the spread (the measured step, the slowest host's, less the median host's
+    compute + codec + wait; None where bench_cluster did not record the parts)."""
+    parts = [r.get(k) for k in ("compute_s", "codec_s", "wait_s")]
+    return {"codec_measured_s": r.get("codec_s"), "codec_predicted_s": p.parts["codec"],
+            "cpu_measured_s": r.get("cpu_step_s"), "cpu_predicted_s": p.parts["cpu"],
+            "spread_s": None if None in parts else r["real_step_s"] - sum(parts)}
+
+
+def summary(rows):
+    """Median and worst |error|, and the share of (source, model, rate, N) cells whose fastest
+    method the model picks."""
+    errs = [abs(r["error"]) for r in rows]
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["source"], r["model"], r["rate"], r["hosts"]), []).append(r)
+    hits = [min(c, key=lambda r: r["measured_s"])["method"] ==
+            min(c, key=lambda r: r["predicted_s"])["method"] for c in cells.values() if len(c) > 1]
+    return {"rows": len(rows), "median_abs_error": statistics.median(errs) if errs else None,
+            "worst_abs_error": max(errs) if errs else None, "cells": len(hits),
+            "fastest_hits": sum(hits), "fastest_hit_rate": sum(hits) / len(hits) if hits else None}
+
+
+def main_validate(argv):
+    p = argparse.ArgumentParser(prog="python -m horovod_twobit.advise validate",
+                                description="Predicted against measured real-host step times "
+                                            "for bench_cluster.json files (examples/"
+                                            "bench_cluster.py's output).")
+    p.add_argument("json", nargs="+")
+    p.add_argument("--profile", default="cpu")
+    p.add_argument("--json-out", help="also write the rows and summary here")
+    args = p.parse_args(argv)
+    rows = compare(args.json, args.profile)
+    print("| source | N | rate | model | method | measured (s) | predicted (s) | error | "
+          "model's bound | codec measured / predicted (ms) | spread (ms) |")
+    print("|---|---:|---|---|---|---:|---:|---:|---|---:|---:|")
+    ms = lambda s: "" if s is None else "%.1f" % (1e3 * s)
+    for r in rows:
+        print("| %s | %d | %s | %s | %s | %.3f | %.3f | %+.0f %% | %s | %s / %s | %s |" % (
+            r["source"], r["hosts"], r["rate"], r["model"], r["method"], r["measured_s"],
+            r["predicted_s"], 100 * r["error"], r["bound"], ms(r["codec_measured_s"]),
+            ms(r["codec_predicted_s"]), ms(r["spread_s"])))
+    s = summary(rows)
+    print()
+    if s["rows"]:
+        print("rows %d: median |error| %.1f %%, worst %.1f %%; fastest method predicted in %d of "
+              "%d cells (%.0f %%)" % (s["rows"], 100 * s["median_abs_error"],
+                                      100 * s["worst_abs_error"], s["fastest_hits"], s["cells"],
+                                      100 * (s["fastest_hit_rate"] or 0)))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"rows": rows, "summary": s}, f, indent=1)
+    return 0
