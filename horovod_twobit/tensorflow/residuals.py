@@ -24,6 +24,7 @@ class _Plain:
     def __init__(self):
         self.pending = {}
         self.variables = {}
+        self.generation = 0  # counts the times variables were made or dropped
         self.eager_fns = {}
         self.tracked = None
 
@@ -163,9 +164,15 @@ class Residuals(tf.Module):
                         synchronization=tf.VariableSynchronization.NONE,
                         aggregation=tf.VariableAggregation.NONE)
                 self._by_name[name] = r
+                self._plain.generation += 1
                 # Tracked inside init_scope: a deferred checkpoint restore runs eagerly, once.
                 self._plain.tracked["rank%dof%d/%s" % (rank_size() + (name,))] = r
             return r
+
+    @property
+    def generation(self):
+        """A number that changes whenever a residual variable is made or dropped."""
+        return self._plain.generation
 
     def variable(self, name):
         """The residual variable of ``name`` (KeyError if it was never created)."""
@@ -228,4 +235,5 @@ class Residuals(tf.Module):
             for k in list(self._plain.tracked):
                 del self._plain.tracked[k]
             self._by_name.clear()
+            self._plain.generation += 1
             self._plain.pending = {}

@@ -102,29 +102,30 @@ def residual_norms(residuals):
     with ``per_tensor``, tensor name: (sum of squares in float64, max |r|)} of the current
     residuals), all read by one traced call and one host transfer per output. The call is made
     once and kept (one per ``per_tensor``); it is traced again only when the slots or the
-    residual variables change."""
+    residual variables change (the residuals' ``generation``)."""
     made = {}
 
     def read(slots, per_tensor):
-        groups = {}  # bucket key (or tensor name) -> its residual variables
-        for s in slots:
-            bucket = scatter_wire.owner_key(s.names)
-            for n in s.names:
-                g = groups.setdefault(n if per_tensor else bucket, {})
-                try:
-                    g[n] = residuals.variable(n)
-                except KeyError:  # not made yet (restored, never used)
-                    pass
-        key = (tuple(map(id, slots)),
-               tuple((k, tuple((n, id(v)) for n, v in g.items())) for k, g in groups.items()))
+        key = (tuple(map(id, slots)), residuals.generation)
         if made.get(per_tensor, (None,))[0] != key:  # slots or residuals were made or replaced
-            made[per_tensor] = (key, _read_fn(slots, [list(g.values()) for g in groups.values()]))
-        counters, payloads, norms = made[per_tensor][1]()
+            groups = {}  # bucket key (or tensor name) -> its residual variables
+            for s in slots:
+                bucket = scatter_wire.owner_key(s.names)
+                for n in s.names:
+                    g = groups.setdefault(n if per_tensor else bucket, {})
+                    try:
+                        g[n] = residuals.variable(n)
+                    except KeyError:  # not made yet (restored, never used)
+                        pass
+            made[per_tensor] = (key, list(groups),
+                                _read_fn(slots, [list(g.values()) for g in groups.values()]))
+        _, names, fn = made[per_tensor]
+        counters, payloads, norms = fn()
         payloads = iter([p.numpy() for p in payloads])
         norms = norms.numpy()
         return (counters.numpy().tolist(),
                 [None if s.payload is None else next(payloads) for s in slots],
-                {k: (float(norms[i, 0]), float(norms[i, 1])) for i, k in enumerate(groups)})
+                {k: (float(norms[i, 0]), float(norms[i, 1])) for i, k in enumerate(names)})
     return read
 
 
