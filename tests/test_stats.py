@@ -209,6 +209,42 @@ def test_tf_stats_are_read_by_one_cached_traced_call(monkeypatch):
         assert (st["tensors"][n]["residual_l2"], st["tensors"][n]["residual_max"]) == norms([n])
 
 
+def test_tf_norms_computed_by_the_step_are_read_until_the_residuals_change():
+    """TensorFlow: a step that hands its new residual's norms to the stats is read from them (no
+    pass over the residuals); after the residuals are loaded or reset outside a step
+    (``residuals_changed``) the read computes them from the variables again, until every slot has
+    stepped since. The sent count is a population count of the payload's high code bits."""
+    tf = pytest.importorskip("tensorflow")
+    from horovod_twobit.tensorflow import codec
+    from horovod_twobit.tensorflow import stats as tf_stats
+    from horovod_twobit.tensorflow.residuals import Residuals
+    residuals = Residuals()
+    r = residuals.get("a", tf.zeros([40]))
+    r.assign(tf.fill([40], 0.25))
+    slots, read = tf_stats.Slots(), tf_stats.residual_norms(residuals)
+    lay = Layout([40], False, None, None)
+    words = np.zeros(lay.payload_words, np.int32)
+    words[lay.body:] = np.array([0x0000000F, 0x000000C0, 0, 0], np.uint32).astype(np.int32)[
+        :lay.payload_words - lay.body]  # codes 11, 11 (sent); 11 (sent): three values sent
+
+    def step(new):
+        slots.record(lay, ["a"], "allgather", 2, 0, tf.constant(words), [tf.zeros([40])],
+                     codec.norms(tf.constant(new, tf.float32)))
+
+    step(np.full(40, 3.0))  # norms of a residual the step made: not the variable's
+    st = slots.snapshot(read, 0.5)
+    (b,) = st["buckets"].values()
+    assert (b["residual_l2"], b["residual_max"]) == (pytest.approx(np.sqrt(40 * 9.0)), 3.0)
+    assert b["fraction_sent"] == 3 / 40
+    slots.residuals_changed()
+    for _ in range(2):  # read from the variable, however often, until the next step
+        (b,) = slots.snapshot(read, 0.5)["buckets"].values()
+        assert (b["residual_l2"], b["residual_max"]) == (pytest.approx(np.sqrt(40 / 16)), 0.25)
+    step(np.full(40, -2.0))
+    (b,) = slots.snapshot(read, 0.5)["buckets"].values()
+    assert (b["residual_l2"], b["residual_max"]) == (pytest.approx(np.sqrt(40 * 4.0)), 2.0)
+
+
 def test_bucket_benchmark_times_a_stats_reading_twin_of_each_compressed_method():
     """bench_buckets --read-stats: a ``+stats`` twin after each compressed method, which runs its
     step and then reads the stats (timed), and the table of what that costs."""

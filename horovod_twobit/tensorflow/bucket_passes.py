@@ -129,10 +129,10 @@ def encode_body(lay, plan, rule, head, xla, g, b, threshold, lengths):
 
 def finish_body(lay, plan, xla, average, scale, rows, checked, count, g, before, threshold, ts,
                 vs):
-    """The bucket's finish: (the flat result, the flat new residual). ``rows``: the gathered
-    payloads (nranks, payload_words); ``checked``: True once the headers agree; ``count``: the
-    divisor of an average; ``g``, ``before``: as :func:`encode_body` took them; ``ts``/``vs``:
-    this rank's segment levels ("auto"), else ``threshold``."""
+    """The bucket's finish: (the flat result, the flat new residual, its :func:`codec.norms`).
+    ``rows``: the gathered payloads (nranks, payload_words); ``checked``: True once the headers
+    agree; ``count``: the divisor of an average; ``g``, ``before``: as :func:`encode_body` took
+    them; ``ts``/``vs``: this rank's segment levels ("auto"), else ``threshold``."""
     nranks = rows.shape[0]
     fw = wire.flag_words(lay.members)
     raw = tf.reshape(tf.bitcast(rows[:, wire.BUCKET_HEADER_WORDS:lay.head_words], tf.uint8),
@@ -171,7 +171,8 @@ def finish_body(lay, plan, xla, average, scale, rows, checked, count, g, before,
         t = v = threshold
     new = tf.where(bad, tf.reshape(before, [lay.words, 16]),
                    tf.where(x >= t, x - v, tf.where(x <= -t, x + v, x)))
-    return tf.reshape(out, [-1]), tf.reshape(new, [-1])
+    new = tf.reshape(new, [-1])
+    return tf.reshape(out, [-1]), new, codec.norms(new)
 
 
 class Passes:

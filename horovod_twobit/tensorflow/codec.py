@@ -221,6 +221,17 @@ def committed(grad, residual_value, threshold, magnitude=None):
     return tf.where(x >= t, x - v, tf.where(x <= -t, x + v, x))
 
 
+def norms(residual):
+    """(sum of squares in float64, max |r|) of a residual's values, as a float64 pair: the stats'
+    residual norms, computed where the finish pass makes the new residual (no extra pass under
+    XLA, which fuses them). Squares of float32 values are exact in float64."""
+    x = tf.reshape(residual, [-1])
+    if x.shape.num_elements() == 0:
+        return tf.zeros([2], tf.float64)
+    return tf.stack([tf.reduce_sum(tf.square(tf.cast(x, tf.float64))),
+                     tf.cast(tf.reduce_max(tf.abs(x)), tf.float64)])
+
+
 def _check(grad, residual):
     if isinstance(grad, tf.IndexedSlices):
         raise TypeError("grad is a tf.IndexedSlices: densify it first (tf.convert_to_tensor, or "

@@ -100,9 +100,10 @@ class Exchange:
                             tf.float32)
         else:
             count = tf.constant(1.0, tf.float32)
-        out, new = kernels.finish(rows[:, wire.HEADER_WORDS + nb:], ts, bad, count, self.grad,
-                                  tf.reshape(self.before, [-1]), t, self.op == mpi_ops.Average,
-                                  self.scale, self.magnitude)
+        out, new, self.norms = kernels.finish(
+            rows[:, wire.HEADER_WORDS + nb:], ts, bad, count, self.grad,
+            tf.reshape(self.before, [-1]), t, self.op == mpi_ops.Average, self.scale,
+            self.magnitude)
         update = self.residual.assign(new)
         with tf.control_dependencies([update]):
             result = tf.reshape(out, self.tensor.shape)
@@ -199,10 +200,11 @@ def run(compressor, tensors, keys, op, prescale, postscale, process_set, op_name
         from . import scatter_exchange
         out = scatter_exchange.run(compressor, ex, layout, keys, process_set, op_name,
                                    ignore_name_scope)
+        norms = None  # the stats read this exchange's residuals when asked
     else:
         gathered = mpi_ops.allgather(ex.payload, name=op_name, process_set=process_set,
                                      ignore_name_scope=ignore_name_scope)
         out = ex.finish(gathered)
-        out = out if len(tensors) > 1 else [out]
+        out, norms = out if len(tensors) > 1 else [out], ex.norms
     return compressor.stats_slots.record(layout, keys, exchange, nranks, process_set.rank(),
-                                         ex.payload, out)
+                                         ex.payload, out, norms)

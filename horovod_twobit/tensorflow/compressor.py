@@ -253,11 +253,13 @@ class TwoBitCompressor(Compressor, tf.Module):
             self.owners.load_state_dict({k: np.asarray(v) for k, v in
                                          state.owner_residuals_to_load(saved).items()})
             self._plain.owner_of = rank_size()
+        self._plain.stats.residuals_changed()
 
     def reset(self):
         """Sets every residual back to zero, the scatter owners' too, and forgets the fallback's
         link measurements and decisions (made again when an exchange is next traced)."""
         self.residuals.reset()
         self.owners.reset()
+        self._plain.stats.residuals_changed()
         self._plain.decisions.clear()
         self._plain.links.clear()

@@ -55,9 +55,10 @@ def _decode_sum_xla(words, ts, n):
 
 def _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, average, scale,
                  xla=False):
-    """(result, new residual): the rank-order sum of the decoded rows of ``words`` (nranks, W),
-    row i with magnitude ``ts[i]`` (with blocks, ``ts`` is (nranks, W): one per word); NaN
-    everywhere and the residual unchanged when ``bad``."""
+    """(result, new residual, its norms): the rank-order sum of the decoded rows of ``words``
+    (nranks, W), row i with magnitude ``ts[i]`` (with blocks, ``ts`` is (nranks, W): one per
+    word); NaN everywhere and the residual unchanged when ``bad``. The norms are
+    :func:`codec.norms` of the new residual, for the stats (fused into the pass under XLA)."""
     out = (_decode_sum_xla if xla else _decode_sum_plain)(words, ts, grad.shape[0])
     out = tf.where(bad, tf.constant(float("nan"), tf.float32), out)
     if average:
@@ -65,7 +66,7 @@ def _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, aver
     if scale != 1.0:
         out = out * tf.constant(scale, tf.float32)
     new = tf.where(bad, before, codec.committed(grad, before, threshold, magnitude))
-    return out, new
+    return out, new, codec.norms(new)
 
 
 _encode_xla = tf.function(_encode_body, jit_compile=True, autograph=False)
@@ -89,8 +90,8 @@ def finish(words, ts, bad, count, grad, before, threshold, average, scale, magni
     (with blocks: (nranks, num_words), each word's block magnitude);
     ``bad``: 0-d bool; ``count``: 0-d float32 divisor (used when ``average``); ``scale``: a
     Python float; ``threshold`` and ``magnitude`` (default: the threshold): this rank's, for its
-    residual update. Returns (1-D float32 result, 1-D new residual)."""
-    magnitude = threshold if magnitude is None else magnitude
+    residual update. Returns (1-D float32 result, 1-D new residual, its norms)."""
+    magnitude = threshold if magnitude is None else magnitude  # returns as _finish_body
     if _compiled(grad.shape.num_elements()) and words.shape[0] is not None:
         return _finish_xla(words, ts, bad, count, grad, before, codec._t(threshold),
                            codec._t(magnitude), bool(average), float(scale), True)

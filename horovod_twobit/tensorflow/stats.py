@@ -1,10 +1,13 @@
 """``TwoBitCompressor.stats()`` for TensorFlow: every exchange (eager or traced) keeps, per
-bucket, variables that the graph updates at each step: this rank's last payload, the number of
-steps and the number of steps whose result was NaN. Updating them is a copy of the payload (a
-sixteenth of the gradient's bytes) and two scalar additions on the device: no host round trip.
-Reading (:meth:`Slots.snapshot`) fetches them, with the residuals' norms, in one traced call
-(:func:`residual_norms`) and summarizes them as the PyTorch binding does
-(:func:`horovod_twobit.stats.summarize`)."""
+bucket, variables that the graph updates at each step: the number of steps, the number of steps
+whose result was NaN, and the step's summary: the values this rank sent as +-level (a population
+count of its payload's high code bits), the sum and number of its levels ("auto"), and the new
+residual's norms as the finish pass computed them (:func:`codec.norms`; the scatter exchange and
+the fallback leave them to the read). Updating them is a few reductions and scalar assignments on
+the device: no host round trip. Reading (:meth:`Slots.snapshot`) fetches them in one traced call
+(:func:`residual_norms`), which also reads the residual variables where the step left no norms
+(per tensor, the scatter exchange, the fallback, and after the residuals were loaded or reset),
+and summarizes them as the PyTorch binding does (:func:`horovod_twobit.stats.summarize`)."""
 
 import threading
 
@@ -25,8 +28,11 @@ def _variable(init):
 class _Slot:
     def __init__(self, layout, names, exchange, nbytes):
         self.layout, self.names, self.exchange, self.nbytes = layout, list(names), exchange, nbytes
-        plain = exchange == "plain"  # the fallback: no payload, every value sent
-        self.payload = None if plain else _variable(np.zeros(layout.payload_words, np.int32))
+        self.plain = exchange == "plain"  # the fallback: no payload, every value sent
+        # (sent, sum of levels, number of levels, residual sum of squares, max |r|) at the last
+        # step; the norms NaN where the step left them to the read
+        self.summary = _variable(np.zeros(5, np.float64))
+        self.has_norms = None  # whether the step computes its norms (set by the first record)
         self.steps = _variable(np.int64(0))
         self.nonfinite = _variable(np.int64(0))
         self.stamp = _variable(np.int64(0))  # the compressor's clock at this slot's last step
@@ -40,10 +46,18 @@ class Slots:
         self._slots = {}
         self._lock = threading.Lock()
         self._clock = None  # counts bucket steps: which of a bucket's slots stepped last
+        self._stale = None  # the clock when the residuals were last loaded or reset
 
-    def record(self, layout, names, exchange, nranks, rank, payload, results):
+    def residuals_changed(self):
+        """The residuals were loaded or reset outside a step: the norms that the slots' last
+        steps computed no longer hold until each slot steps again (until then they are read)."""
+        with self._lock:
+            self._stale = 0 if self._clock is None else int(self._clock.numpy())
+
+    def record(self, layout, names, exchange, nranks, rank, payload, results, norms=None):
         """Adds the step's updates to the graph: ``results`` (the exchange's outputs) returned
-        after them."""
+        after them. ``payload``: this rank's (None for the fallback); ``norms``: the new residual's
+        :func:`codec.norms`, or None to read them from the residuals when asked."""
         key = (scatter_wire.owner_key(names), exchange, nranks)
         with self._lock:
             if self._clock is None:
@@ -53,28 +67,38 @@ class Slots:
                 nbytes = (4 * sum(layout.numels) if exchange == "plain"
                           else scatter_wire.rank_bytes(layout, nranks, rank, exchange))
                 slot = self._slots[key] = _Slot(layout, names, exchange, nbytes)
+            if slot.has_norms is None:
+                slot.has_norms = norms is not None
         # a member that held NaN or Inf on some rank is NaN everywhere: its first value tells
         nan = [tf.math.is_nan(tf.reshape(r, [-1])[0]) for r in results if r.shape.num_elements()]
         bad = tf.reduce_any(tf.stack(nan)) if nan else tf.constant(False)
         updates = [slot.steps.assign_add(1), slot.nonfinite.assign_add(tf.cast(bad, tf.int64)),
                    slot.stamp.assign(self._clock.assign_add(1))]
-        if slot.payload is not None:
-            updates.append(slot.payload.assign(payload))
+        if norms is None or not slot.has_norms:
+            norms = tf.constant([np.nan, np.nan], tf.float64)
+        updates.append(slot.summary.assign(tf.concat([_counts(layout, payload), norms], 0)))
         with tf.control_dependencies(updates):
             return [tf.identity(r) for r in results]
 
     def snapshot(self, reader, threshold, per_tensor=False, reset=False):
         """The stats as :func:`horovod_twobit.stats.summarize` gives them; ``reader``: the
-        compressor's :func:`residual_norms` (every slot and residual norm in one traced call)."""
+        compressor's :func:`residual_norms` (every slot, and the residual norms the slots do not
+        hold, in one traced call)."""
         with self._lock:
-            slots = list(self._slots.values())
-        counters, payloads, norms = reader(slots, per_tensor)
+            slots, stale = list(self._slots.values()), self._stale
+        # the buckets whose norms are read from the residuals
+        read = {scatter_wire.owner_key(s.names) for s in slots
+                if per_tensor or stale is not None or not s.has_norms}
+        counters, summaries, norms = reader(slots, per_tensor, read)
+        if stale is not None and all(c[2] > stale for c in counters):
+            with self._lock:  # every slot stepped since: its own norms hold again
+                self._stale = None if self._stale == stale else self._stale
         last, totals = {}, (dict.fromkeys(stats.EXCHANGES, 0), dict.fromkeys(stats.EXCHANGES, 0))
         nonfinite = 0
         # a bucket may have stepped in several slots (another exchange after a fallback decision,
         # another number of ranks): its last step is its slot's with the latest stamp
         for i in sorted(range(len(slots)), key=lambda i: counters[i][2]):
-            s, (steps, bad, _) = slots[i], counters[i]
+            s, (steps, bad, _), row = slots[i], counters[i], summaries[i]
             totals[0][s.exchange] += (steps - s.base[0]) * s.nbytes
             totals[1][s.exchange] += steps - s.base[0]
             nonfinite += bad - s.base[1]
@@ -82,64 +106,91 @@ class Slots:
                 s.base = (steps, bad)
             if steps:
                 values, key = sum(s.layout.numels), scatter_wire.owner_key(s.names)
-                if s.payload is None:  # uncompressed: every value sent, no levels
-                    reader = lambda v=values: (v, 0.0, 0)  # noqa: E731
+                if s.plain:  # uncompressed: every value sent, no levels
+                    counts = (values, 0.0, 0)
+                elif s.layout.auto:
+                    counts = (int(row[0]), float(row[1]), int(row[2]))
                 else:
-                    reader = lambda p=payloads[i], s=s: stats.payload_counts(  # noqa: E731
-                        s.layout, p, threshold)
-                whole = None if per_tensor else (lambda n=norms[key]: n)
-                last[key] = stats.Step(s.names, s.exchange, s.nbytes, reader, values, whole)
+                    counts = (int(row[0]), float(threshold), 1)
+                whole = None
+                if not per_tensor:  # the step's norms, unless the residuals changed since
+                    own = s.has_norms and (stale is None or counters[i][2] > stale)
+                    whole = (float(row[3]), float(row[4])) if own else norms[key]
+                last[key] = stats.Step(s.names, s.exchange, s.nbytes, lambda c=counts: c, values,
+                                       None if whole is None else (lambda n=whole: n))
         per_name = norms if per_tensor else {}
         return stats.summarize(last, *totals, nonfinite,
                                lambda names: {n: per_name[n] for n in names if n in per_name},
                                threshold, per_tensor)
 
 
+def _counts(layout, payload):
+    """(values sent as +-level, sum of the levels, number of levels) of this rank's ``payload``
+    (a bucket or tensor of ``layout``), float64 in the graph, as
+    :func:`horovod_twobit.stats.payload_counts` counts them: the codes 10 and 11 (high bit set)
+    of its packed words; the magnitudes it carries with "auto" (else zeros: the threshold is
+    known). The fallback (``payload`` None) sends every value."""
+    if payload is None:
+        return tf.constant([sum(layout.numels), 0.0, 0.0], tf.float64)
+    high = tf.bitwise.bitwise_and(payload[layout.body:], tf.constant(-0x55555556, tf.int32))
+    sent = tf.reduce_sum(tf.cast(tf.raw_ops.PopulationCount(x=high), tf.float64))
+    if not layout.auto:
+        return tf.stack([sent, tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64)])
+    mags = payload[layout.head_words:layout.body] if layout.mag_words else payload[4:5]
+    mags = tf.cast(tf.bitcast(mags, tf.float32), tf.float64)
+    return tf.stack([sent, tf.reduce_sum(mags), tf.constant(float(mags.shape[0]), tf.float64)])
+
+
 def residual_norms(residuals):
     """The reader :meth:`Slots.snapshot` takes, for a compressor's
-    :class:`~horovod_twobit.tensorflow.residuals.Residuals`: ``reader(slots, per_tensor)`` ->
-    (each slot's (steps, non-finite steps, stamp), each slot's payload or None, {bucket key or,
-    with ``per_tensor``, tensor name: (sum of squares in float64, max |r|)} of the current
-    residuals), all read by one traced call and one host transfer per output. The call is made
-    once and kept (one per ``per_tensor``); it is traced again only when the slots or the
-    residual variables change (the residuals' ``generation``)."""
+    :class:`~horovod_twobit.tensorflow.residuals.Residuals`: ``reader(slots, per_tensor, read)``
+    -> (each slot's (steps, non-finite steps, stamp), each slot's summary row, {bucket key in
+    ``read`` or, with ``per_tensor``, tensor name: (sum of squares in float64, max |r|)} of the
+    current residuals), all read by one traced call and one host transfer per output. The call is
+    made once and kept per (``per_tensor``, ``read``); it is traced again only when the slots or
+    the residual variables change (the residuals' ``generation``)."""
     made = {}
 
-    def read(slots, per_tensor):
-        key = (tuple(map(id, slots)), residuals.generation)
-        if made.get(per_tensor, (None,))[0] != key:  # slots or residuals were made or replaced
+    def read(slots, per_tensor, wanted):
+        mode, key = (per_tensor, frozenset(wanted)), (tuple(map(id, slots)), residuals.generation)
+        if made.get(mode, (None,))[0] != key:  # slots or residuals were made or replaced
             groups = {}  # bucket key (or tensor name) -> its residual variables
             for s in slots:
                 bucket = scatter_wire.owner_key(s.names)
+                if bucket not in wanted:
+                    continue
                 for n in s.names:
                     g = groups.setdefault(n if per_tensor else bucket, {})
                     try:
                         g[n] = residuals.variable(n)
                     except KeyError:  # not made yet (restored, never used)
                         pass
-            made[per_tensor] = (key, list(groups),
-                                _read_fn(slots, [list(g.values()) for g in groups.values()]))
-        _, names, fn = made[per_tensor]
-        counters, payloads, norms = fn()
-        payloads = iter([p.numpy() for p in payloads])
-        norms = norms.numpy()
-        return (counters.numpy().tolist(),
-                [None if s.payload is None else next(payloads) for s in slots],
+            made[mode] = (key, list(groups),
+                          _read_fn(slots, [list(g.values()) for g in groups.values()]))
+        _, names, fn = made[mode]
+        out = fn()
+        rows = out[0].numpy()  # per slot: its 3 counters, then its 5 summary values
+        norms = out[1].numpy() if names else None
+        return (rows[:, :3].astype(np.int64).tolist(), rows[:, 3:].tolist(),
                 {k: (float(norms[i, 0]), float(norms[i, 1])) for i, k in enumerate(names)})
     return read
 
 
 def _read_fn(slots, groups):
-    """One traced call: the slots' counters ([slots, 3] int64), their payloads, and per group of
-    residual variables its (sum of squares in float64, max |r|) ([groups, 2] float64)."""
+    """One traced call: per slot its counters (steps, non-finite steps, stamp) and its summary,
+    as one [slots, 8] float64 output; with ``groups``, a second output: per group of residual
+    variables its (sum of squares in float64, max |r|) ([groups, 2] float64). Fewer outputs,
+    fewer host transfers: a read costs about a call."""
     @tf.function(autograph=False)
     def read():
-        counters = [tf.stack([s.steps.value(), s.nonfinite.value(), s.stamp.value()])
-                    for s in slots]
-        payloads = [s.payload.value() for s in slots if s.payload is not None]
-        rows = [_norms([v.value() for v in g if v.shape.num_elements()]) for g in groups]
-        counters = tf.stack(counters) if counters else tf.zeros([0, 3], tf.int64)
-        return counters, payloads, tf.stack(rows) if rows else tf.zeros([0, 2], tf.float64)
+        rows = [tf.concat([tf.cast(tf.stack([s.steps.value(), s.nonfinite.value(),
+                                             s.stamp.value()]), tf.float64),
+                           s.summary.value()], 0) for s in slots]
+        rows = tf.stack(rows) if rows else tf.zeros([0, 8], tf.float64)
+        if not groups:
+            return (rows,)
+        return rows, tf.stack([_norms([v.value() for v in g if v.shape.num_elements()])
+                               for g in groups])
     return read.get_concrete_function()
 
 
