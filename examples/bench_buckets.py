@@ -90,11 +90,12 @@ def interleaved(steps_of, args):
     return times
 
 
-def timed(hvd, steps_of, counts, compressors, args, row, out, read_out, fit=False):
+def timed(hvd, steps_of, counts, build, args, row, out, read_out, fit=False):
     """Times the methods of one row in turns (with their ``+stats`` twins under
-    ``--read-stats``) into ``out``: {(row, method): (median step, tensors)}, and ``read_out``:
-    {(row, twin): median stats() read}."""
-    reads = stats_cost.add_reads(steps_of, counts, compressors, fit) if args.read_stats else {}
+    ``--read-stats``, each made by ``build(method)`` -> (step, tensors, compressor)) into ``out``:
+    {(row, method): (median step, tensors)}, and ``read_out``: {(row, twin): median stats()
+    read}."""
+    reads = stats_cost.add_reads(steps_of, counts, build, fit) if args.read_stats else {}
     times = interleaved(steps_of, args)
     for method, t in times.items():
         out[(row, method)] = (_median_across(hvd, t), counts[method])
@@ -110,24 +111,26 @@ def run_torch(args):
     hvd.init()
     out, reads = {}, {}
     for model_name in args.models.split(","):
-        steps_of, counts, comps = {}, {}, {}
-        for method in args.methods.split(","):
+        def build(method, model_name=model_name):
             net, data, classes = torch_model(model_name)
             hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-            comps[method] = compression(method, hvd, TwoBitCompressor)
+            comp = compression(method, hvd, TwoBitCompressor)
             opt = hvd.DistributedOptimizer(
                 torch.optim.SGD(net.parameters(), lr=0.01),
                 named_parameters=[(method + "." + n, p) for n, p in net.named_parameters()],
-                compression=comps[method])
+                compression=comp)
             torch.manual_seed(hvd.rank())
             x, y = data(args.batch), torch.randint(0, classes, (args.batch,))
 
-            def step(net=net, opt=opt, x=x, y=y):
+            def step():
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(net(x), y).backward()
                 opt.step()
-            steps_of[method], counts[method] = step, len(list(net.parameters()))
-        timed(hvd, steps_of, counts, comps, args, model_name, out, reads)
+            return step, len(list(net.parameters())), comp
+        steps_of, counts = {}, {}
+        for method in args.methods.split(","):
+            steps_of[method], counts[method], _ = build(method)
+        timed(hvd, steps_of, counts, build, args, model_name, out, reads)
     return out, reads, hvd.rank()
 
 
@@ -146,11 +149,13 @@ def run_tf(args):
             if loop not in ("tape", "fit"):
                 raise ValueError("unknown TensorFlow loop %r (tape or fit)" % loop)
             row = model_name if loop == "tape" else "%s (fit)" % model_name
-            steps_of, counts, comps = {}, {}, {}
+            def build(method, model_name=model_name, loop=loop):
+                return tf_step(model_name, loop, method, args, tf, hvd, hvd_keras,
+                               TwoBitCompressor)
+            steps_of, counts = {}, {}
             for method in args.methods.split(","):
-                steps_of[method], counts[method], comps[method] = tf_step(
-                    model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor)
-            timed(hvd, steps_of, counts, comps, args, row, out, reads, fit=loop == "fit")
+                steps_of[method], counts[method], _ = build(method)
+            timed(hvd, steps_of, counts, build, args, row, out, reads, fit=loop == "fit")
             if args.profile:
                 for method, fn in steps_of.items():
                     out[(row, method)] += (tf_profile.profile(fn, args.profile),)

@@ -2,11 +2,11 @@
 
 Each bucket step (one encode and its collectives) is recorded when it is launched
 (:meth:`StatsLog.sent`: its exchange, the bytes this rank hands to the collectives, and a
-*reader*, a function that computes the step's code counts and levels from the payload it keeps)
-and when it is finished (:meth:`StatsLog.finished`: whether a member held NaN or Inf). Recording
-is a few dictionary updates on the host: no device work and no host-device synchronisation. Code
-counts, levels and residual norms are computed only when :meth:`StatsLog.snapshot` is called,
-from the last step's payload and the current residuals.
+*reader*, a function that gives the step's code counts and levels) and when it is finished
+(:meth:`StatsLog.finished`: whether a member held NaN or Inf). Recording is a few dictionary
+updates on the host, with no host-device synchronisation. Code counts, levels and residual norms
+are computed from the last step's payload and the current residuals, when
+:meth:`StatsLog.snapshot` is called or (once the stats were read, in PyTorch) by the step itself.
 
 The snapshot is a plain dict (see :meth:`StatsLog.snapshot`) that a logger can write as it is:
 ``horovod_twobit.stats.scalars(snapshot)`` flattens it to ``{"twobit/...": number}``.

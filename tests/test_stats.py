@@ -245,25 +245,101 @@ def test_tf_norms_computed_by_the_step_are_read_until_the_residuals_change():
     assert (b["residual_l2"], b["residual_max"]) == (pytest.approx(np.sqrt(40 * 4.0)), 2.0)
 
 
-def test_bucket_benchmark_times_a_stats_reading_twin_of_each_compressed_method():
-    """bench_buckets --read-stats: a ``+stats`` twin after each compressed method, which runs its
-    step and then reads the stats (timed), and the table of what that costs."""
-    from horovod_twobit.benchmarks import stats_cost
+def test_tf_steps_hand_their_rows_to_the_host_once_the_stats_were_read():
+    """TensorFlow: a step traced before anyone read the stats hands nothing to the host; after the
+    first read, the same traced step hands its bucket's row (counters and summary) to the host,
+    and later reads take the rows without a TensorFlow call, with the same values a traced read
+    gives (steps, NaN steps, codes sent, the step's norms)."""
+    tf = pytest.importorskip("tensorflow")
+    from horovod_twobit.tensorflow import codec
+    from horovod_twobit.tensorflow import stats as tf_stats
+    from horovod_twobit.tensorflow.residuals import Residuals
+    residuals = Residuals()
+    residuals.get("a", tf.zeros([40]))
+    slots, traced = tf_stats.Slots(), tf_stats.residual_norms(residuals)
     calls = []
+
+    def read(*a):
+        calls.append(1)
+        return traced(*a)
+    lay = Layout([40], False, None, None)
+    words = np.zeros(lay.payload_words, np.int32)
+    words[lay.body] = 0x3C  # codes 00 11 11 00 in the first byte's low bits: two values sent
+
+    @tf.function
+    def step(result, new):
+        return slots.record(lay, ["a"], "allgather", 2, 0, tf.constant(words), [result],
+                            codec.norms(new))
+
+    step(tf.zeros([40]), tf.fill([40], 3.0))
+    assert slots._slots and all(s.host is None for s in slots._slots.values())
+    first = slots.snapshot(read, 0.5)
+    assert len(calls) == 1 and first["bucket_steps"]["allgather"] == 1
+    step(tf.fill([40], np.nan), tf.fill([40], -2.0))  # a NaN step, then a good one
+    step(tf.zeros([40]), tf.fill([40], 0.5))
+    st = slots.snapshot(read, 0.5)
+    assert len(calls) == 1  # the rows came with the steps
+    (b,) = st["buckets"].values()
+    assert st["bucket_steps"]["allgather"] == 3 and st["nonfinite_steps"] == 1
+    assert b["fraction_sent"] == 2 / 40
+    assert (b["residual_l2"], b["residual_max"]) == (pytest.approx(np.sqrt(40 * 0.25)), 0.5)
+    for s in slots._slots.values():
+        s.host = None  # as if the rows were missing: the traced read gives the same values
+    assert slots.snapshot(read, 0.5) == st and len(calls) == 2
+
+
+def test_torch_norms_computed_by_the_step_are_read_until_the_residuals_change():
+    """PyTorch: once the stats were read, a bucket step keeps its new residual's norms
+    (``step_norms``) and a read takes them without a pass over the residual; after a reset or a
+    load (a new registry generation) the read computes them from the current residual again."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+    from horovod_twobit.registry import ResidualRegistry
+    from horovod_twobit.torch import stats_read
+    reg = ResidualRegistry(zeros_like=torch.zeros_like, numel=lambda r: r.numel())
+    current = torch.full([40], 0.25)
+    bucket = SimpleNamespace(compressor=SimpleNamespace(residuals=reg), step_norms=None,
+                             current_residual=lambda: current)
+    read = stats_read.bucket_norms(bucket)
+    assert read() == (pytest.approx(40 / 16), 0.25)  # nothing kept: the residual itself
+    stats_read.step_norms(bucket, torch.full([40], -3.0))  # norms of a residual the step made
+    assert read() == (pytest.approx(40 * 9.0), 3.0)
+    reg.reset()
+    for _ in range(2):  # stale: read from the residual, however often, until the next step
+        assert read() == (pytest.approx(40 / 16), 0.25)
+    stats_read.step_norms(bucket, torch.full([40], 2.0))
+    assert read() == (pytest.approx(40 * 4.0), 2.0)
+
+
+def test_bucket_benchmark_times_a_stats_reading_twin_of_each_compressed_method():
+    """bench_buckets --read-stats: a ``+stats`` twin after each compressed method, a second
+    instance of it (its own compressor: the method's own never gets read), which runs its step
+    and then reads the stats (timed), and the table of what that costs."""
+    from horovod_twobit.benchmarks import stats_cost
+    calls, stepped, built = [], [], []
 
     class Compressor:
         def stats(self):
-            calls.append(1)
+            calls.append(self)
             return {}
-    steps = {m: (lambda: None) for m in ("none", "twobit", "auto_fallback/alone")}
+
+    def build(method):
+        comp = Compressor()
+        built.append((method, comp))
+        return (lambda: stepped.append(comp)), 51, comp
+    steps = {m: (lambda m=m: stepped.append(m)) for m in ("none", "twobit", "auto_fallback/alone")}
     counts = dict.fromkeys(steps, 52)
-    reads = stats_cost.add_reads(steps, counts, {"none": None, "twobit": Compressor(),
-                                                 "auto_fallback/alone": Compressor()})
+    reads = stats_cost.add_reads(steps, counts, build)
     assert list(steps) == ["none", "twobit", "twobit+stats", "auto_fallback/alone",
                            "auto_fallback/alone+stats"]
+    assert [m for m, _ in built] == ["twobit", "auto_fallback/alone"]
+    assert counts["twobit+stats"] == 51 and counts["twobit"] == 52
     for fn in steps.values():
         fn()
-    assert len(calls) == 2 and [len(d) for d in reads.values()] == [1, 1]
+    twins = [c for _, c in built]
+    assert calls == twins and stepped == ["none", "twobit", twins[0], "auto_fallback/alone",
+                                          twins[1]]
+    assert [len(d) for d in reads.values()] == [1, 1]
     results = {("mlp", "twobit"): (0.020, 52), ("mlp", "twobit+stats"): (0.021, 52)}
     table = stats_cost.table(results, {("mlp", "twobit+stats"): 0.0004}, "torch")
     assert "| mlp | twobit | 20.0 | 21.0 | +5.0 % | 0.40 | 2.0 % |" in table

@@ -21,11 +21,12 @@ def compressed(method):
     return method.partition("/")[0].split("_fallback")[0] in ("twobit", "auto")
 
 
-def add_reads(steps_of, counts, compressors, fit=False):
+def add_reads(steps_of, counts, build, fit=False):
     """Puts a ``M+stats`` step after every compressed method ``M`` of ``steps_of`` (in place,
-    ``counts`` too): ``M``'s step, then the stats read, timed. ``compressors``: {method: its
-    compressor}; ``fit``: read through the Keras callback (``M``'s step returns the loss).
-    Returns {``M+stats``: the list of read durations, one per step run}."""
+    ``counts`` too): the step of a second instance of ``M`` (``build(M)`` -> (step, number of
+    tensors, compressor)), then the stats read, timed; ``fit``: read through the Keras callback
+    (the step returns the loss). Returns {``M+stats``: the list of read durations, one per step
+    run}."""
     reads, order = {}, list(steps_of.items())
     steps_of.clear()
     for method, step in order:
@@ -33,8 +34,9 @@ def add_reads(steps_of, counts, compressors, fit=False):
         if not compressed(method):
             continue
         twin = method + SUFFIX
-        reads[twin], counts[twin] = [], counts[method]
-        steps_of[twin] = _reading(step, _reader(compressors[method], fit), reads[twin])
+        twin_step, counts[twin], compressor = build(method)
+        reads[twin] = []
+        steps_of[twin] = _reading(twin_step, _reader(compressor, fit), reads[twin])
     return reads
 
 

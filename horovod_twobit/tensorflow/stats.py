@@ -4,10 +4,15 @@ whose result was NaN, and the step's summary: the values this rank sent as +-lev
 count of its payload's high code bits), the sum and number of its levels ("auto"), and the new
 residual's norms as the finish pass computed them (:func:`codec.norms`; the scatter exchange and
 the fallback leave them to the read). Updating them is a few reductions and scalar assignments on
-the device: no host round trip. Reading (:meth:`Slots.snapshot`) fetches them in one traced call
-(:func:`residual_norms`), which also reads the residual variables where the step left no norms
-(per tensor, the scatter exchange, the fallback, and after the residuals were loaded or reset),
-and summarizes them as the PyTorch binding does (:func:`horovod_twobit.stats.summarize`)."""
+the device: no host round trip.
+
+The first read sets a variable that the step tests (a ``tf.cond``): from then on each step also
+hands its bucket's row (counters and summary, 8 values) to the host through a
+``tf.numpy_function``, and a read whose rows all came that way costs no TensorFlow call. Otherwise
+(:meth:`Slots.snapshot`) the rows are fetched, with the residual norms the steps did not compute
+(per tensor, the scatter exchange, the fallback, after the residuals were loaded or reset), in one
+traced call (:func:`residual_norms`). Both are summarized as the PyTorch binding does
+(:func:`horovod_twobit.stats.summarize`)."""
 
 import threading
 
@@ -33,6 +38,7 @@ class _Slot:
         # step; the norms NaN where the step left them to the read
         self.summary = _variable(np.zeros(5, np.float64))
         self.has_norms = None  # whether the step computes its norms (set by the first record)
+        self.host = None  # (steps, non-finite, stamp, summary) of its last watched step, NumPy
         self.steps = _variable(np.int64(0))
         self.nonfinite = _variable(np.int64(0))
         self.stamp = _variable(np.int64(0))  # the compressor's clock at this slot's last step
@@ -47,6 +53,8 @@ class Slots:
         self._lock = threading.Lock()
         self._clock = None  # counts bucket steps: which of a bucket's slots stepped last
         self._stale = None  # the clock when the residuals were last loaded or reset
+        self._watched = None  # True once read: steps then hand their rows to the host
+        self._watching = False
 
     def residuals_changed(self):
         """The residuals were loaded or reset outside a step: the norms that the slots' last
@@ -62,6 +70,7 @@ class Slots:
         with self._lock:
             if self._clock is None:
                 self._clock = _variable(np.int64(0))
+                self._watched = _variable(False)
             slot = self._slots.get(key)
             if slot is None:
                 nbytes = (4 * sum(layout.numels) if exchange == "plain"
@@ -72,11 +81,16 @@ class Slots:
         # a member that held NaN or Inf on some rank is NaN everywhere: its first value tells
         nan = [tf.math.is_nan(tf.reshape(r, [-1])[0]) for r in results if r.shape.num_elements()]
         bad = tf.reduce_any(tf.stack(nan)) if nan else tf.constant(False)
-        updates = [slot.steps.assign_add(1), slot.nonfinite.assign_add(tf.cast(bad, tf.int64)),
-                   slot.stamp.assign(self._clock.assign_add(1))]
+        counters = [slot.steps.assign_add(1), slot.nonfinite.assign_add(tf.cast(bad, tf.int64)),
+                    slot.stamp.assign(self._clock.assign_add(1))]
         if norms is None or not slot.has_norms:
             norms = tf.constant([np.nan, np.nan], tf.float64)
-        updates.append(slot.summary.assign(tf.concat([_counts(layout, payload), norms], 0)))
+        summary = tf.concat([_counts(layout, payload), norms], 0)
+        updates = counters + [slot.summary.assign(summary)]
+        # once read (``watched``), the step hands its row to the host: a read then costs no call
+        row = tf.concat([tf.cast(tf.stack(counters), tf.float64), summary], 0)
+        updates.append(tf.cond(self._watched, lambda: _to_host(slot, row),
+                               lambda: tf.constant(False)))
         with tf.control_dependencies(updates):
             return [tf.identity(r) for r in results]
 
@@ -86,10 +100,18 @@ class Slots:
         hold, in one traced call)."""
         with self._lock:
             slots, stale = list(self._slots.values()), self._stale
+            if self._watched is not None and not self._watching:
+                self._watched.assign(True)
+                self._watching = True
         # the buckets whose norms are read from the residuals
         read = {scatter_wire.owner_key(s.names) for s in slots
                 if per_tensor or stale is not None or not s.has_norms}
-        counters, summaries, norms = reader(slots, per_tensor, read)
+        hosted = [s.host for s in slots]
+        if not read and all(h is not None for h in hosted):  # every row came with its step
+            counters, summaries, norms = ([h[:3].astype(np.int64).tolist() for h in hosted],
+                                          [h[3:].tolist() for h in hosted], {})
+        else:
+            counters, summaries, norms = reader(slots, per_tensor, read)
         if stale is not None and all(c[2] > stale for c in counters):
             with self._lock:  # every slot stepped since: its own norms hold again
                 self._stale = None if self._stale == stale else self._stale
@@ -122,6 +144,14 @@ class Slots:
         return stats.summarize(last, *totals, nonfinite,
                                lambda names: {n: per_name[n] for n in names if n in per_name},
                                threshold, per_tensor)
+
+
+def _to_host(slot, row):
+    """A host callback in the step: keeps ``row`` (float64 [8]) as ``slot.host``."""
+    def keep(r):
+        slot.host = r.copy()
+        return np.bool_(True)
+    return tf.numpy_function(keep, [row], tf.bool, stateful=True)
 
 
 def _counts(layout, payload):

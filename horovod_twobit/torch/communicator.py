@@ -53,6 +53,7 @@ class Bucket:
         self.key, self.values = scatter_wire.owner_key(self.names), sum(self.layout.numels)
         self._sent_bytes = {}
         self.norms = stats_read.bucket_norms(self)
+        self.step_norms = None  # (registry generation, norms) from its last step, once watched
 
     def residual(self, tensors):
         """This bucket's flat float32 residual, its members' residuals in the registry."""

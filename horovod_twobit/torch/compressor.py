@@ -144,6 +144,7 @@ class TwoBitCompressor(Compressor):
         # (bucket, process set, size) whose ranks all announced the scatter exchange
         self.agreed = set()
         self.stats_log = StatsLog()
+        self.stats_watched = False  # set by the first stats(): steps then compute the norms too
         self._buckets = {}  # tensor name -> its planned Bucket
         self._singles = {}  # tensor name -> a Bucket of that tensor alone
         self._lock = threading.Lock()
@@ -261,9 +262,11 @@ class TwoBitCompressor(Compressor):
         residual norms (per tensor with ``per_tensor=True``). See
         :meth:`horovod_twobit.stats.StatsLog.snapshot` for the keys.
 
-        Recording costs no device work; reading computes the counts and norms from the last
-        payloads and the residuals (a host round trip). ``reset=True`` clears the running sums
-        after reading them."""
+        Until the first call, recording costs no device work. From then on each bucket step also
+        computes its residual's norms (three reductions, no host transfer), and a read fetches
+        them and counts the codes of the last payloads (a host round trip). ``reset=True``
+        clears the running sums after reading them."""
+        self.stats_watched = True
         out = self.stats_log.snapshot(self._residual_norms, self.threshold, per_tensor)
         if reset:
             self.stats_log.reset()

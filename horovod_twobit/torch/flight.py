@@ -8,7 +8,7 @@ import torch
 import horovod.torch.mpi_ops as mpi_ops
 
 from .. import stats
-from . import codec, progress
+from . import codec, progress, stats_read
 
 
 def check_call(op, name):
@@ -42,10 +42,15 @@ class Flight:
         payload = torch.empty(layout.payload_words, dtype=torch.int32, device=self.g.device)
         self.t, self.v = codec.encode_payload(layout, self.r, self.g, c.threshold, c.auto_rule,
                                               payload)
+        if c.stats_watched and payload.device.type == "cpu":  # counted while in cache
+            counts = stats.payload_counts(layout, payload.numpy(), c.threshold)
+            reader = lambda: counts  # noqa: E731
+        else:  # counted when read (on a GPU: one copy to the host then)
+            reader = lambda: stats.payload_counts(  # noqa: E731
+                layout, payload.cpu().numpy(), c.threshold)
         c.stats_log.sent(bucket.key, bucket.names, self.EXCHANGE,
                          bucket.sent_bytes(self.nranks, process_set.rank(), self.EXCHANGE),
-                         lambda: stats.payload_counts(layout, payload.cpu().numpy(), c.threshold),
-                         bucket.values, bucket.norms)
+                         reader, bucket.values, bucket.norms)
         self._submit(payload)
 
     def _take(self, bucket, tensors, op, prescale, postscale, process_set, in_place):
@@ -90,7 +95,10 @@ class Flight:
 
     def _finish(self, gathered):
         res = self._results(gathered)
-        self.bucket.compressor.stats_log.finished(self.nonfinite)
+        c = self.bucket.compressor
+        c.stats_log.finished(self.nonfinite)
+        if c.stats_watched:  # someone reads the stats: the norms while the residual is in cache
+            stats_read.step_norms(self.bucket, self.r)
         return res
 
     def _results(self, gathered):

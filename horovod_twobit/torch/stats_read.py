@@ -1,10 +1,14 @@
-"""Reading ``TwoBitCompressor.stats()`` in PyTorch cheaply: residual norms in a pass or two over
-each residual, on its device, and one host transfer for all of them.
+"""Reading ``TwoBitCompressor.stats()`` in PyTorch cheaply: residual norms in three reductions
+over each residual, on its device, and one host transfer for all of them.
 
 Norms are for watching, not for arithmetic: the sum of squares is a float32 dot product (BLAS or
-cuBLAS, about 1e-6 relative), the largest |r| exact (``aminmax``). A bucket's norms come from its
-flat residual buffer in one dot and one ``aminmax`` (its padding holds zeros), instead of a pass
-per member."""
+cuBLAS, about 1e-6 relative), the largest |r| exact (``amax`` and ``amin``: faster than
+``aminmax`` on a CPU). A bucket's norms come from its flat residual buffer (its padding holds
+zeros), instead of passes per member.
+
+Once ``stats()`` has been called, each bucket step computes them as it finishes
+(:func:`step_norms`, kept on the bucket without a host transfer), while the new residual is still
+in cache; a read then only fetches them. Before the first read, a step does no stats work."""
 
 import torch
 
@@ -14,8 +18,15 @@ def _pair(r):
     if not r.numel():
         z = r.new_zeros(())
         return z, z
-    lo, hi = torch.aminmax(r)
-    return torch.dot(r, r), torch.maximum(-lo, hi)
+    return torch.dot(r, r), torch.maximum(-torch.amin(r), torch.amax(r))
+
+
+def step_norms(bucket, residual):
+    """At the end of a bucket step whose compressor's stats were read before: keeps ``residual``'s
+    (the bucket's flat residual after the step) norms on the bucket as 0-d tensors, with the
+    registry generation they belong to (a reset or a load makes them stale)."""
+    bucket.step_norms = (bucket.compressor.residuals.generation,
+                         _pair(residual.detach().reshape(-1)))
 
 
 def tensor_norms(residuals, names):
@@ -33,6 +44,9 @@ def bucket_norms(bucket):
     """A function giving (sum of squares, max |r|) of ``bucket``'s current residuals, or None
     when the bucket does not hold them (then the caller reads them per tensor)."""
     def read():
+        kept = bucket.step_norms
+        if kept is not None and kept[0] == bucket.compressor.residuals.generation:
+            return tuple(_host(list(kept[1])))
         r = bucket.current_residual()
         return None if r is None else tuple(_host(list(_pair(r.detach().reshape(-1)))))
     return read
