@@ -112,26 +112,32 @@ def run_torch(args):
     out, reads = {}, {}
     for model_name in args.models.split(","):
         def build(method, model_name=model_name):
-            net, data, classes = torch_model(model_name)
-            hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-            comp = compression(method, hvd, TwoBitCompressor)
-            opt = hvd.DistributedOptimizer(
-                torch.optim.SGD(net.parameters(), lr=0.01),
-                named_parameters=[(method + "." + n, p) for n, p in net.named_parameters()],
-                compression=comp)
-            torch.manual_seed(hvd.rank())
-            x, y = data(args.batch), torch.randint(0, classes, (args.batch,))
-
-            def step():
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(net(x), y).backward()
-                opt.step()
-            return step, len(list(net.parameters())), comp
+            return torch_step(model_name, method, args, torch, hvd, TwoBitCompressor)
         steps_of, counts = {}, {}
         for method in args.methods.split(","):
             steps_of[method], counts[method], _ = build(method)
         timed(hvd, steps_of, counts, build, args, model_name, out, reads)
     return out, reads, hvd.rank()
+
+
+def torch_step(model_name, method, args, torch, hvd, TwoBitCompressor):
+    """(a function that runs one synchronous training step, the number of parameter tensors, the
+    compression); the parameters are named after ``method``, so instances do not share names."""
+    net, data, classes = torch_model(model_name)
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    comp = compression(method, hvd, TwoBitCompressor)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.01),
+        named_parameters=[(method + "." + n, p) for n, p in net.named_parameters()],
+        compression=comp)
+    torch.manual_seed(hvd.rank())
+    x, y = data(args.batch), torch.randint(0, classes, (args.batch,))
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return step, len(list(net.parameters())), comp
 
 
 def run_tf(args):

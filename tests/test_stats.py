@@ -343,3 +343,30 @@ def test_bucket_benchmark_times_a_stats_reading_twin_of_each_compressed_method()
     results = {("mlp", "twobit"): (0.020, 52), ("mlp", "twobit+stats"): (0.021, 52)}
     table = stats_cost.table(results, {("mlp", "twobit+stats"): 0.0004}, "torch")
     assert "| mlp | twobit | 20.0 | 21.0 | +5.0 % | 0.40 | 2.0 % |" in table
+
+
+def test_stats_step_benchmark_reads_one_instance_every_step_and_one_once():
+    """examples/bench_stats.py: four instances take turns; ``every`` is read after each of its
+    steps, ``once`` once before the timing, the two others never; every instance steps once a
+    round."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from examples import bench_stats
+    log = []
+
+    class Compressor:
+        def __init__(self, name):
+            self.name = name
+
+        def stats(self):
+            log.append(("read", self.name))
+    steps = {k: ((lambda k=k: log.append(("step", k))), Compressor(k))
+             for k in bench_stats.INSTANCES}
+    times = bench_stats.measure(steps, rounds=4, warmup=1)
+    assert {k: len(t) for k, t in times.items()} == dict.fromkeys(bench_stats.INSTANCES, 4)
+    reads = [k for what, k in log if what == "read"]
+    assert reads.count("every") == 1 + 4 and reads.count("once") == 1
+    assert "never" not in reads and "never2" not in reads
+    timed = log[len(bench_stats.INSTANCES) + 2:]  # after the warm-up steps and the two reads
+    assert [k for what, k in timed if what == "step"][:4] == list(bench_stats.INSTANCES)
