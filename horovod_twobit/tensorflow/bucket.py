@@ -127,8 +127,8 @@ class BucketExchange:
                 count = tf.cast(tf.size(gathered) // lay.payload_words, tf.float32)
             else:
                 count = tf.constant(1.0, tf.float32)
-            out, new, self.norms = self.passes.finish(rows, checked, count, self.grad, self.before,
-                                          self.fixed, self.ts, self.vs)
+            out, new, self.norms = self.passes.finish(rows, checked, count, self.grad,
+                                                      self.before, self.fixed, self.ts, self.vs)
             return commit(lay, self.residuals, new, self.tensors, out)
 
 

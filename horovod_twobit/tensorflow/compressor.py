@@ -224,8 +224,8 @@ class TwoBitCompressor(Compressor, tf.Module):
         :func:`horovod_twobit.stats.summarize`. Each step updates a few variables on the device
         (no host round trip); after the first read it also hands them to the host (a
         ``tf.numpy_function``), so that later reads cost no TensorFlow call. ``reset=True``
-        clears the running sums after reading them. :class:`horovod_twobit.tensorflow.TwoBitStatsCallback` puts them in
-        Keras' logs."""
+        clears the running sums after reading them.
+        :class:`horovod_twobit.tensorflow.TwoBitStatsCallback` puts them in Keras' logs."""
         if getattr(self._plain, "norms", None) is None:
             self._plain.norms = residual_norms(self.residuals)  # keeps its traced reader
         return self._plain.stats.snapshot(self._plain.norms, self._threshold, per_tensor, reset)

@@ -58,7 +58,8 @@ def _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, aver
     """(result, new residual, its norms): the rank-order sum of the decoded rows of ``words``
     (nranks, W), row i with magnitude ``ts[i]`` (with blocks, ``ts`` is (nranks, W): one per
     word); NaN everywhere and the residual unchanged when ``bad``. The norms are
-    :func:`codec.norms` of the new residual, for the stats (fused into the pass under XLA)."""
+    :func:`codec.norms` of the new residual for the stats, under XLA only (fused into the pass
+    there); None otherwise, so that the plain graph does no extra work (the stats read them)."""
     out = (_decode_sum_xla if xla else _decode_sum_plain)(words, ts, grad.shape[0])
     out = tf.where(bad, tf.constant(float("nan"), tf.float32), out)
     if average:
@@ -66,7 +67,7 @@ def _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, aver
     if scale != 1.0:
         out = out * tf.constant(scale, tf.float32)
     new = tf.where(bad, before, codec.committed(grad, before, threshold, magnitude))
-    return out, new, codec.norms(new)
+    return out, new, codec.norms(new) if xla else None
 
 
 _encode_xla = tf.function(_encode_body, jit_compile=True, autograph=False)
@@ -90,8 +91,9 @@ def finish(words, ts, bad, count, grad, before, threshold, average, scale, magni
     (with blocks: (nranks, num_words), each word's block magnitude);
     ``bad``: 0-d bool; ``count``: 0-d float32 divisor (used when ``average``); ``scale``: a
     Python float; ``threshold`` and ``magnitude`` (default: the threshold): this rank's, for its
-    residual update. Returns (1-D float32 result, 1-D new residual, its norms)."""
-    magnitude = threshold if magnitude is None else magnitude  # returns as _finish_body
+    residual update. Returns (1-D float32 result, 1-D new residual, its norms or None: see
+    :func:`_finish_body`)."""
+    magnitude = threshold if magnitude is None else magnitude
     if _compiled(grad.shape.num_elements()) and words.shape[0] is not None:
         return _finish_xla(words, ts, bad, count, grad, before, codec._t(threshold),
                            codec._t(magnitude), bool(average), float(scale), True)

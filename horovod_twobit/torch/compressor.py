@@ -263,9 +263,9 @@ class TwoBitCompressor(Compressor):
         :meth:`horovod_twobit.stats.StatsLog.snapshot` for the keys.
 
         Until the first call, recording costs no device work. From then on each bucket step also
-        computes its residual's norms (three reductions, no host transfer), and a read fetches
-        them and counts the codes of the last payloads (a host round trip). ``reset=True``
-        clears the running sums after reading them."""
+        computes its residual's norms (three reductions, no host transfer) and, on a CPU, counts
+        its payload's codes; a read fetches them (a host round trip). ``reset=True`` clears the
+        running sums after reading them."""
         self.stats_watched = True
         out = self.stats_log.snapshot(self._residual_norms, self.threshold, per_tensor)
         if reset:
