@@ -246,10 +246,11 @@ def test_tf_norms_computed_by_the_step_are_read_until_the_residuals_change():
 
 
 def test_tf_steps_hand_their_rows_to_the_host_once_the_stats_were_read():
-    """TensorFlow: a step traced before anyone read the stats hands nothing to the host; after the
-    first read, the same traced step hands its bucket's row (counters and summary) to the host,
-    and later reads take the rows without a TensorFlow call, with the same values a traced read
-    gives (steps, NaN steps, codes sent, the step's norms)."""
+    """TensorFlow: a step traced before anyone read the stats hands nothing to the host; while
+    reads come every step or every other, the same traced step hands its bucket's row (counters
+    and summary) to the host, and reads take the rows without a TensorFlow call, with the same
+    values a traced read gives (steps, NaN steps, codes sent, the step's norms); reads every
+    third step turn the handover off, a read after one step on again."""
     tf = pytest.importorskip("tensorflow")
     from horovod_twobit.tensorflow import codec
     from horovod_twobit.tensorflow import stats as tf_stats
@@ -286,29 +287,49 @@ def test_tf_steps_hand_their_rows_to_the_host_once_the_stats_were_read():
     for s in slots._slots.values():
         s.host = None  # as if the rows were missing: the traced read gives the same values
     assert slots.snapshot(read, 0.5) == st and len(calls) == 2
+    for _ in range(3):  # reads every third step: the handover stops, the reads fetch the rows
+        step(tf.zeros([40]), tf.fill([40], 0.5))
+    assert slots.snapshot(read, 0.5)["bucket_steps"]["allgather"] == 6 and len(calls) == 2
+    step(tf.zeros([40]), tf.fill([40], 0.5))
+    assert all(s.host is None for s in slots._slots.values())
+    assert slots.snapshot(read, 0.5)["bucket_steps"]["allgather"] == 7 and len(calls) == 3
+    step(tf.zeros([40]), tf.fill([40], 0.5))  # read after one step again: handed over again
+    assert slots.snapshot(read, 0.5)["bucket_steps"]["allgather"] == 8 and len(calls) == 3
 
 
 def test_torch_norms_computed_by_the_step_are_read_until_the_residuals_change():
-    """PyTorch: once the stats were read, a bucket step keeps its new residual's norms
-    (``step_norms``) and a read takes them without a pass over the residual; after a reset or a
-    load (a new registry generation) the read computes them from the current residual again."""
+    """PyTorch: a bucket's first step after a ``stats()`` call keeps its new residual's norms
+    (``step_norms``), and a read right after takes them without a pass over the residual; after
+    a later step, a reset or a load (a new registry generation) the read computes them from the
+    current residual again. Only one step per read prepares them."""
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
     from horovod_twobit.registry import ResidualRegistry
-    from horovod_twobit.torch import stats_read
+    from horovod_twobit.torch import TwoBitCompressor, stats_read
+    from horovod_twobit.torch.communicator import Bucket
     reg = ResidualRegistry(zeros_like=torch.zeros_like, numel=lambda r: r.numel())
     current = torch.full([40], 0.25)
-    bucket = SimpleNamespace(compressor=SimpleNamespace(residuals=reg), step_norms=None,
+    bucket = SimpleNamespace(compressor=SimpleNamespace(residuals=reg), step_norms=None, steps=0,
                              current_residual=lambda: current)
     read = stats_read.bucket_norms(bucket)
     assert read() == (pytest.approx(40 / 16), 0.25)  # nothing kept: the residual itself
     stats_read.step_norms(bucket, torch.full([40], -3.0))  # norms of a residual the step made
     assert read() == (pytest.approx(40 * 9.0), 3.0)
+    bucket.steps += 1  # a later step that kept nothing: they are stale
+    assert read() == (pytest.approx(40 / 16), 0.25)
+    stats_read.step_norms(bucket, torch.full([40], 2.0))
+    assert read() == (pytest.approx(40 * 4.0), 2.0)
     reg.reset()
     for _ in range(2):  # stale: read from the residual, however often, until the next step
         assert read() == (pytest.approx(40 / 16), 0.25)
-    stats_read.step_norms(bucket, torch.full([40], 2.0))
-    assert read() == (pytest.approx(40 * 4.0), 2.0)
+
+    real = Bucket(TwoBitCompressor(0.5), ["a"], [40])
+    assert not real.prepares_stats()  # never read: no stats work in any step
+    real.compressor.stats()
+    assert [real.prepares_stats() for _ in range(3)] == [True, False, False]
+    real.compressor.stats()
+    real.compressor.stats()
+    assert [real.prepares_stats() for _ in range(2)] == [True, False]
 
 
 def test_bucket_benchmark_times_a_stats_reading_twin_of_each_compressed_method():

@@ -14,9 +14,10 @@ class TwoBitStatsCallback(tf.keras.callbacks.Callback):
         model.fit(..., callbacks=[TwoBitStatsCallback(compressor),
                                   tf.keras.callbacks.CSVLogger("log.csv")])
 
-    After the first read, each step hands its buckets' stats to the host, so a read costs about
-    0.1 ms (``docs/design.md`` says what it costs per step); with ``every`` unset it happens once
-    an epoch."""
+    With ``every`` of 1 or 2, each step hands its buckets' stats to the host, so a read costs
+    about 0.1 ms; less often, a read fetches them itself and the steps between do no stats work
+    (``docs/design.md`` says what it costs per step). With ``every`` unset it reads once an
+    epoch."""
 
     def __init__(self, compressor, every=None):
         super().__init__()

@@ -6,9 +6,11 @@ residual's norms as the finish pass computed them (:func:`codec.norms`; the scat
 the fallback leave them to the read). Updating them is a few reductions and scalar assignments on
 the device: no host round trip.
 
-The first read sets a variable that the step tests (a ``tf.cond``): from then on each step also
-hands its bucket's row (counters and summary, 8 values) to the host through a
-``tf.numpy_function``, and a read whose rows all came that way costs no TensorFlow call. Otherwise
+While reads come at least every other step, a variable that the step tests (a ``tf.cond``) has
+each step also hand its bucket's row (counters and summary, 8 values) to the host through a
+``tf.numpy_function``, and a read whose rows all came that way costs no TensorFlow call; reads
+that come less often turn it off (:meth:`Slots._follow`), so that the steps between them do no
+host work. Otherwise
 (:meth:`Slots.snapshot`) the rows are fetched, with the residual norms the steps did not compute
 (per tensor, the scatter exchange, the fallback, after the residuals were loaded or reset), in one
 traced call (:func:`residual_norms`). Both are summarized as the PyTorch binding does
@@ -53,8 +55,9 @@ class Slots:
         self._lock = threading.Lock()
         self._clock = None  # counts bucket steps: which of a bucket's slots stepped last
         self._stale = None  # the clock when the residuals were last loaded or reset
-        self._watched = None  # True once read: steps then hand their rows to the host
+        self._watched = None  # while True, steps hand their rows to the host (see snapshot)
         self._watching = False
+        self._seen = {}  # slot -> its steps at the last read
 
     def residuals_changed(self):
         """The residuals were loaded or reset outside a step: the norms that the slots' last
@@ -100,18 +103,16 @@ class Slots:
         hold, in one traced call)."""
         with self._lock:
             slots, stale = list(self._slots.values()), self._stale
-            if self._watched is not None and not self._watching:
-                self._watched.assign(True)
-                self._watching = True
         # the buckets whose norms are read from the residuals
         read = {scatter_wire.owner_key(s.names) for s in slots
                 if per_tensor or stale is not None or not s.has_norms}
         hosted = [s.host for s in slots]
-        if not read and all(h is not None for h in hosted):  # every row came with its step
+        if self._watching and not read and all(h is not None for h in hosted):  # with the steps
             counters, summaries, norms = ([h[:3].astype(np.int64).tolist() for h in hosted],
                                           [h[3:].tolist() for h in hosted], {})
         else:
             counters, summaries, norms = reader(slots, per_tensor, read)
+        self._follow(slots, counters)
         if stale is not None and all(c[2] > stale for c in counters):
             with self._lock:  # every slot stepped since: its own norms hold again
                 self._stale = None if self._stale == stale else self._stale
@@ -144,6 +145,23 @@ class Slots:
         return stats.summarize(last, *totals, nonfinite,
                                lambda names: {n: per_name[n] for n in names if n in per_name},
                                threshold, per_tensor)
+
+
+    def _follow(self, slots, counters):
+        """Turns the steps' handover on while reads come at least every other step of each
+        bucket, off when they come less often (then each step would hand over rows that no read
+        takes, and a read fetches them itself). Rows kept from before a change are dropped."""
+        with self._lock:
+            if self._watched is None:
+                return
+            gaps = [c[0] - self._seen.get(s, 0) for s, c in zip(slots, counters)]
+            self._seen = {s: c[0] for s, c in zip(slots, counters)}
+            often = max(gaps, default=0) <= 2
+            if often != self._watching:
+                for s in slots:  # only rows handed over from now on count
+                    s.host = None
+                self._watched.assign(often)
+                self._watching = often
 
 
 def _to_host(slot, row):

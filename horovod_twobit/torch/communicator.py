@@ -53,7 +53,17 @@ class Bucket:
         self.key, self.values = scatter_wire.owner_key(self.names), sum(self.layout.numels)
         self._sent_bytes = {}
         self.norms = stats_read.bucket_norms(self)
-        self.step_norms = None  # (registry generation, norms) from its last step, once watched
+        self.steps = 0  # steps finished
+        self.step_norms = None  # (registry generation, step, norms) kept by a step after a read
+        self._stats_read = 0  # the compressor's stats_reads its last such step answered
+
+    def prepares_stats(self):
+        """Whether this step should prepare the stats (the first since a ``stats()`` call)."""
+        reads = self.compressor.stats_reads
+        if reads == self._stats_read:
+            return False
+        self._stats_read = reads
+        return True
 
     def residual(self, tensors):
         """This bucket's flat float32 residual, its members' residuals in the registry."""

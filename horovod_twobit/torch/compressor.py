@@ -144,7 +144,7 @@ class TwoBitCompressor(Compressor):
         # (bucket, process set, size) whose ranks all announced the scatter exchange
         self.agreed = set()
         self.stats_log = StatsLog()
-        self.stats_watched = False  # set by the first stats(): steps then compute the norms too
+        self.stats_reads = 0  # stats() calls: a bucket's next step after one prepares the next
         self._buckets = {}  # tensor name -> its planned Bucket
         self._singles = {}  # tensor name -> a Bucket of that tensor alone
         self._lock = threading.Lock()
@@ -262,11 +262,12 @@ class TwoBitCompressor(Compressor):
         residual norms (per tensor with ``per_tensor=True``). See
         :meth:`horovod_twobit.stats.StatsLog.snapshot` for the keys.
 
-        Until the first call, recording costs no device work. From then on each bucket step also
-        computes its residual's norms (three reductions, no host transfer) and, on a CPU, counts
-        its payload's codes; a read fetches them (a host round trip). ``reset=True`` clears the
-        running sums after reading them."""
-        self.stats_watched = True
+        Recording costs no device work, except in each bucket's first step after a call: that
+        step also computes its residual's norms (three reductions, no host transfer) and, on a
+        CPU, counts its payload's codes, so that a read right after it only fetches them (a host
+        round trip). A read later than that computes them from the last payloads and the
+        residuals. ``reset=True`` clears the running sums after reading them."""
+        self.stats_reads += 1
         out = self.stats_log.snapshot(self._residual_norms, self.threshold, per_tensor)
         if reset:
             self.stats_log.reset()

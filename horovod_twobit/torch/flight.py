@@ -42,7 +42,8 @@ class Flight:
         payload = torch.empty(layout.payload_words, dtype=torch.int32, device=self.g.device)
         self.t, self.v = codec.encode_payload(layout, self.r, self.g, c.threshold, c.auto_rule,
                                               payload)
-        if c.stats_watched and payload.device.type == "cpu":  # counted while in cache
+        self.prepares_stats = bucket.prepares_stats()
+        if self.prepares_stats and payload.device.type == "cpu":  # counted while in cache
             counts = stats.payload_counts(layout, payload.numpy(), c.threshold)
             reader = lambda: counts  # noqa: E731
         else:  # counted when read (on a GPU: one copy to the host then)
@@ -95,10 +96,11 @@ class Flight:
 
     def _finish(self, gathered):
         res = self._results(gathered)
-        c = self.bucket.compressor
-        c.stats_log.finished(self.nonfinite)
-        if c.stats_watched:  # someone reads the stats: the norms while the residual is in cache
-            stats_read.step_norms(self.bucket, self.r)
+        b = self.bucket
+        b.compressor.stats_log.finished(self.nonfinite)
+        b.steps += 1
+        if getattr(self, "prepares_stats", False):  # the norms while the residual is in cache
+            stats_read.step_norms(b, self.r)
         return res
 
     def _results(self, gathered):

@@ -6,9 +6,11 @@ cuBLAS, about 1e-6 relative), the largest |r| exact (``amax`` and ``amin``: fast
 ``aminmax`` on a CPU). A bucket's norms come from its flat residual buffer (its padding holds
 zeros), instead of passes per member.
 
-Once ``stats()`` has been called, each bucket step computes them as it finishes
-(:func:`step_norms`, kept on the bucket without a host transfer), while the new residual is still
-in cache; a read then only fetches them. Before the first read, a step does no stats work."""
+After a ``stats()`` call, each bucket's next step computes them as it finishes (:func:`step_norms`,
+kept on the bucket without a host transfer), while the new residual is still in cache: a read
+after every step then only fetches them. Reading less often, only that one step per read does the
+work, and the read computes the norms of the steps since (the kept ones are stale). Without reads
+a step does no stats work."""
 
 import torch
 
@@ -22,10 +24,10 @@ def _pair(r):
 
 
 def step_norms(bucket, residual):
-    """At the end of a bucket step whose compressor's stats were read before: keeps ``residual``'s
-    (the bucket's flat residual after the step) norms on the bucket as 0-d tensors, with the
-    registry generation they belong to (a reset or a load makes them stale)."""
-    bucket.step_norms = (bucket.compressor.residuals.generation,
+    """At the end of a bucket's first step after a ``stats()`` call: keeps ``residual``'s (the
+    bucket's flat residual after the step) norms on the bucket as 0-d tensors, with the registry
+    generation and the step they belong to (a reset, a load or a later step makes them stale)."""
+    bucket.step_norms = (bucket.compressor.residuals.generation, bucket.steps,
                          _pair(residual.detach().reshape(-1)))
 
 
@@ -45,8 +47,9 @@ def bucket_norms(bucket):
     when the bucket does not hold them (then the caller reads them per tensor)."""
     def read():
         kept = bucket.step_norms
-        if kept is not None and kept[0] == bucket.compressor.residuals.generation:
-            return tuple(_host(list(kept[1])))
+        if kept is not None and kept[:2] == (bucket.compressor.residuals.generation,
+                                             bucket.steps):
+            return tuple(_host(list(kept[2])))
         r = bucket.current_residual()
         return None if r is None else tuple(_host(list(_pair(r.detach().reshape(-1)))))
     return read
