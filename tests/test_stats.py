@@ -295,6 +295,9 @@ def test_tf_steps_hand_their_rows_to_the_host_once_the_stats_were_read():
     assert slots.snapshot(read, 0.5)["bucket_steps"]["allgather"] == 7 and len(calls) == 3
     step(tf.zeros([40]), tf.fill([40], 0.5))  # read after one step again: handed over again
     assert slots.snapshot(read, 0.5)["bucket_steps"]["allgather"] == 8 and len(calls) == 3
+    assert slots._watching
+    slots.snapshot(read, 0.5, per_tensor=True)  # a read that needs the residuals: no handover
+    assert not slots._watching and len(calls) == 4
 
 
 def test_torch_norms_computed_by_the_step_are_read_until_the_residuals_change():

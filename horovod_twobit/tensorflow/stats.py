@@ -112,7 +112,7 @@ class Slots:
                                           [h[3:].tolist() for h in hosted], {})
         else:
             counters, summaries, norms = reader(slots, per_tensor, read)
-        self._follow(slots, counters)
+        self._follow(slots, counters, useful=not read)
         if stale is not None and all(c[2] > stale for c in counters):
             with self._lock:  # every slot stepped since: its own norms hold again
                 self._stale = None if self._stale == stale else self._stale
@@ -147,16 +147,18 @@ class Slots:
                                threshold, per_tensor)
 
 
-    def _follow(self, slots, counters):
+    def _follow(self, slots, counters, useful):
         """Turns the steps' handover on while reads come at least every other step of each
         bucket, off when they come less often (then each step would hand over rows that no read
-        takes, and a read fetches them itself). Rows kept from before a change are dropped."""
+        takes, and a read fetches them itself) or when the read needs the residuals anyway
+        (``useful`` False: norms the steps do not compute). Rows kept from before a change are
+        dropped."""
         with self._lock:
             if self._watched is None:
                 return
             gaps = [c[0] - self._seen.get(s, 0) for s, c in zip(slots, counters)]
             self._seen = {s: c[0] for s, c in zip(slots, counters)}
-            often = max(gaps, default=0) <= 2
+            often = useful and max(gaps, default=0) <= 2
             if often != self._watching:
                 for s in slots:  # only rows handed over from now on count
                     s.host = None
