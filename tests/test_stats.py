@@ -245,7 +245,7 @@ def test_tf_norms_computed_by_the_step_are_read_until_the_residuals_change():
     assert (b["residual_l2"], b["residual_max"]) == (pytest.approx(np.sqrt(40 * 4.0)), 2.0)
 
 
-def test_tf_steps_hand_their_rows_to_the_host_once_the_stats_were_read():
+def test_tf_steps_hand_their_rows_to_the_host_while_reads_come_every_step_or_other():
     """TensorFlow: a step traced before anyone read the stats hands nothing to the host; while
     reads come every step or every other, the same traced step hands its bucket's row (counters
     and summary) to the host, and reads take the rows without a TensorFlow call, with the same
