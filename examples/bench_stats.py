@@ -8,12 +8,14 @@ after each of its steps (the read inside its timed step); ``once`` was read once
     horovodrun -np 2 -H localhost:2 python -m examples.bench_stats --framework torch \\
         --method twobit --rounds 300
 
-Rank 0 prints each instance's median step (ms, the slower rank's) and the differences of
+On localhost the network is free: the figures are bounded by the CPU the ranks share. Rank 0
+prints each instance's median step (ms, the slower rank's) and the differences of
 ``every`` and ``once`` to the two never-read instances: the whole cost of reading every step, and
 the step's own share of it. Models and methods are those of :mod:`examples.bench_buckets`
 (``twobit``: a threshold of 0.01; ``auto``); TensorFlow trains with ``DistributedGradientTape``."""
 
 import argparse
+import os
 import statistics
 import time
 
@@ -78,9 +80,11 @@ def main(argv=None):
     per_rank = {k: hvd.allgather_object(statistics.median(t)) for k, t in times.items()}
     med = {k: max(v) for k, v in per_rank.items()}
     if hvd.rank() == 0:
-        print("%s %s, %s, %d rounds: median step (ms) %s" % (
-            args.framework, args.model, args.method, args.rounds,
-            ", ".join("%s %.2f" % (k, 1e3 * v) for k, v in med.items())), flush=True)
+        print("%s %s, %s, %d rounds, %d ranks on localhost sharing %d cores (no network: bound "
+              "by the CPU): median step (ms) %s" % (
+                  args.framework, args.model, args.method, args.rounds, hvd.size(),
+                  os.cpu_count(), ", ".join("%s %.2f" % (k, 1e3 * v) for k, v in med.items())),
+              flush=True)
         for k in ("every", "once"):
             print("  %s: %+.2f / %+.2f ms against never / never2" % (
                 k, 1e3 * (med[k] - med["never"]), 1e3 * (med[k] - med["never2"])), flush=True)

@@ -10,11 +10,10 @@ While reads come at least every other step, a variable that the step tests (a ``
 each step also hand its bucket's row (counters and summary, 8 values) to the host through a
 ``tf.numpy_function``, and a read whose rows all came that way costs no TensorFlow call; reads
 that come less often turn it off (:meth:`Slots._follow`), so that the steps between them do no
-host work. Otherwise
-(:meth:`Slots.snapshot`) the rows are fetched, with the residual norms the steps did not compute
-(per tensor, the scatter exchange, the fallback, after the residuals were loaded or reset), in one
-traced call (:func:`residual_norms`). Both are summarized as the PyTorch binding does
-(:func:`horovod_twobit.stats.summarize`)."""
+host work. Otherwise (:meth:`Slots.snapshot`) the rows are fetched, with the residual norms the
+steps did not compute (per tensor, the scatter exchange, the fallback, after the residuals were
+loaded or reset), in one traced call (:func:`residual_norms`). Both are summarized as the PyTorch
+binding does (:func:`horovod_twobit.stats.summarize`)."""
 
 import threading
 
@@ -145,7 +144,6 @@ class Slots:
         return stats.summarize(last, *totals, nonfinite,
                                lambda names: {n: per_name[n] for n in names if n in per_name},
                                threshold, per_tensor)
-
 
     def _follow(self, slots, counters, useful):
         """Turns the steps' handover on while reads come at least every other step of each

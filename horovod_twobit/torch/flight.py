@@ -59,6 +59,7 @@ class Flight:
         gradient (the tensor itself when alone, else the bucket's buffer, filled)."""
         check_call(op, bucket.names[0])
         self.bucket, self.tensors, self.in_place = bucket, tensors, in_place
+        self.prepares_stats = False  # whether it prepares the next stats() read (Flight sets it)
         self.op, self.scale, self.nranks = op, float(prescale) * float(postscale), process_set.size()
         self.process_set, self.results = process_set, None
         self.r = bucket.residual(tensors)
@@ -99,7 +100,7 @@ class Flight:
         b = self.bucket
         b.compressor.stats_log.finished(self.nonfinite)
         b.steps += 1
-        if getattr(self, "prepares_stats", False):  # the norms while the residual is in cache
+        if self.prepares_stats:  # the norms while the residual is in cache
             stats_read.step_norms(b, self.r)
         return res
 
