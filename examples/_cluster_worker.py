@@ -15,6 +15,7 @@ Rank 0 prints a ``bench-progress:`` line after every step. DDP methods run one p
 import json
 import os
 import resource
+import statistics
 import threading
 import time
 
@@ -323,3 +324,86 @@ def worker(args):
         import torch.distributed as dist
         dist.destroy_process_group()
     return 0
+
+
+def calibrate_worker(args):
+    """Every host at once measures its codec rates and per-value costs in real-host seconds (wall
+    seconds / D, :func:`horovod_twobit.calibrate.calibrate` with ``clock="wall"``), so that the
+    step-time model is given the emulated host rather than an unthrottled core; then, all hosts
+    idle again, the seconds of a one-value allreduce among them (waited for as the benchmark's
+    steps wait, with short sleeps; the median of ``args.steps`` x 10). Writes
+    ``<out>/rank<r>.json``: the profile and ``allreduce1_s``."""
+    import torch
+    import horovod.torch as hvd
+    from horovod_twobit import calibrate
+    torch.set_num_threads(args.threads)
+    hvd.init()
+    rank = hvd.rank()
+    d = float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+    hvd.allreduce(torch.zeros(1), name="calibrate.start", op=hvd.Sum)
+    progress(rank, "codec rates on every host (wall seconds / %g)" % d)
+    prof = calibrate.calibrate(sizes=[int(s) for s in args.calibrate_sizes.split(",")],
+                               ranks=(2, 4, 8), threads=args.threads, reps=3,
+                               name="cluster", clock="wall", dilation=d,
+                               min_wall_s=args.calibrate_min_wall)
+    hvd.allreduce(torch.zeros(1), name="calibrate.codec_done", op=hvd.Sum)
+    progress(rank, "the framework's CPU per step and per tensor")
+    sleeping_waits()  # the benchmark's waits
+    framework = framework_cpu(args.steps)
+    progress(rank, "one-value allreduces")
+    one = torch.zeros(1)
+    times = []
+    for i in range(10 * args.steps + 3):
+        t0 = time.perf_counter()
+        handle = hvd.allreduce_async(one, name="calibrate.one", op=hvd.Sum)
+        delay = 2e-5 * d
+        while not hvd.poll(handle):
+            time.sleep(delay)
+            delay = min(2 * delay, 5e-4 * d)
+        hvd.synchronize(handle)
+        times.append((time.perf_counter() - t0) / d)
+    res = {"rank": rank, "size": hvd.size(), "profile": prof, "framework_cpu": framework,
+           "allreduce1_s": statistics.median(times[3:])}
+    with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+FRAMEWORK_TENSORS = (1, 64)
+
+
+def framework_cpu(steps):
+    """CPU seconds per step (this process, all threads: what a 1-core host spends) of
+    ``DistributedOptimizer`` steps on K tensors of 16 values, K in :data:`FRAMEWORK_TENSORS`,
+    with no compression ("none") and TwoBit's two exchanges ("twobit", "scatter"), and of a plain
+    optimizer step on the same tensors ("plain"): the framework's own work per step and per
+    tensor (hooks, enqueueing, negotiation, synchronize, the compressor's buckets), which
+    :func:`horovod_twobit.calibrate.from_cluster` separates from what the model charges already.
+    {kind: {K: seconds}}; each a median over ``steps`` x 2 steps after 3 untimed ones."""
+    import torch
+    import horovod.torch as hvd
+    from horovod_twobit.torch import TwoBitCompressor
+    out = {}
+    for kind in ("plain", "none", "twobit", "scatter"):
+        out[kind] = {}
+        for k in FRAMEWORK_TENSORS:
+            params = [torch.nn.Parameter(torch.zeros(16)) for _ in range(k)]
+            opt = torch.optim.SGD(params, lr=0.0)
+            if kind != "plain":
+                comp = (hvd.Compression.none if kind == "none" else
+                        TwoBitCompressor(0.5, exchange="allgather" if kind == "twobit"
+                                         else "scatter"))
+                opt = hvd.DistributedOptimizer(
+                    opt, named_parameters=[("fw.%s.%d.%d" % (kind, k, i), p)
+                                           for i, p in enumerate(params)], compression=comp)
+            x = torch.ones(16)
+            cpu = []
+            for i in range(2 * steps + 3):
+                hvd.allreduce(torch.zeros(1), name="fw.barrier", op=hvd.Sum)
+                c0 = time.process_time()
+                opt.zero_grad()
+                sum((p * x).sum() for p in params).backward()
+                opt.step()
+                cpu.append(time.process_time() - c0)
+            out[kind][k] = statistics.median(cpu[3:])
+    return out

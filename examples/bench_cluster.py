@@ -49,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from examples._cluster_worker import THRESHOLDS, TWOBIT, worker  # noqa: E402
+from examples._cluster_worker import THRESHOLDS, TWOBIT, calibrate_worker, worker  # noqa: E402
 
 HOROVOD_METHODS = {"none": "Horovod, no compression", "fp16": "Horovod, Compression.fp16",
                    "twobit": "Horovod, TwoBitCompressor",
@@ -217,6 +217,52 @@ def run_job(c, args, model, methods, rate, log):
     return rows
 
 
+def calibrate_hosts(c, args, rate, log):
+    """Every host's codec rates measured at once inside the cluster, in real-host seconds, and
+    a one-value allreduce among them (``examples._cluster_worker.calibrate_worker``): the
+    step-time model's profile of this cluster's hosts (``horovod_twobit.calibrate.from_cluster``),
+    or None where the job failed."""
+    from horovod_twobit import calibrate
+    out = tempfile.mkdtemp(prefix="calibrate-", dir=args.work)
+    d = c.dilation
+    env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": str(args.threads), "TF_CPP_MIN_LOG_LEVEL": "3",
+           "GLOO_SOCKET_IFNAME": c.iface, "HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(600 * max(1, d)))}
+    stream = Progress(log, "calibrate")
+    try:
+        res = c.horovodrun(1, [sys.executable, os.path.abspath(__file__), "--worker", "calibrate",
+                               "--out", out, "--threads", args.threads, "--steps", args.steps,
+                               "--calibrate-sizes", args.calibrate_sizes,
+                               "--calibrate-min-wall", args.calibrate_min_wall],
+                           timeout=args.job_timeout * max(1.0, d), env=env, stream=stream)
+    finally:
+        stream.close()
+    ranks = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(out, "rank*.json")))]
+    shutil.rmtree(out, ignore_errors=True)
+    if res.returncode != 0 or len(ranks) != c.n_hosts:
+        print("  calibration at %s FAILED (rc=%s):\n%s" % (rate, res.returncode,
+                                                           res.output[-3000:]), flush=True)
+        return None
+    one = statistics.median(r["allreduce1_s"] for r in ranks)
+    prof = calibrate.from_cluster([r["profile"] for r in ranks], one, c.n_hosts,
+                                  name="cluster-%dh-%s" % (c.n_hosts, rate),
+                                  framework_cpu=[r["framework_cpu"] for r in ranks], rate=rate)
+    prof["cluster"] = {"hosts": c.n_hosts, "rate": rate, "cpus_per_host": c.cpus_per_host,
+                       "dilation": d, "allreduce1_per_host_s": [r["allreduce1_s"] for r in ranks]}
+    path = os.path.join(args.out, "profile-%dh-%s.json" % (c.n_hosts, rate))
+    with open(path, "w") as f:
+        json.dump(prof, f, indent=1, sort_keys=True)
+    enc = prof["codec"]
+    fw = prof["framework_s"]
+    print("  calibrated %d hosts in %.0f s: one-value allreduce %.2f ms real-host "
+          "(collective_s %.2f ms), message %.1f us, encode %.2f ns/value, \"auto\" encode %.2f "
+          "ns/value; framework CPU per step + per tensor: %s; wrote %s" % (
+              c.n_hosts, res.seconds, 1e3 * one, 1e3 * prof["collective_s"],
+              1e6 * prof["message_s"], 1e9 * enc["encode"][2], 1e9 * enc["encode_auto"][2],
+              ", ".join("%s %.2f ms + %.0f us" % (k, 1e3 * v[0], 1e6 * v[1])
+                        for k, v in fw.items()), path), flush=True)
+    return prof
+
+
 def jobs(methods, args):
     """The methods grouped into jobs: the Horovod ones together (unless --job-per-method), every
     DDP method alone."""
@@ -320,6 +366,10 @@ def driver(args):
     args.work = tempfile.mkdtemp(prefix="bench-cluster-")
     log = open(os.path.join(args.out, "bench_cluster.log"), "w")
     results = []
+    profiles, failed_calibrations = {}, []
+    if args.append and os.path.exists(os.path.join(args.out, "bench_cluster.json")):
+        with open(os.path.join(args.out, "bench_cluster.json")) as f:
+            profiles = json.load(f).get("profiles", {})
     cpus, dilation = emulation(args)
     started = time.time()
     try:
@@ -328,7 +378,13 @@ def driver(args):
                                 cpus_per_host=cpus, dilation=dilation,
                                 cpu_period_us=args.cpu_period_us) as c:
                 print(c.describe(), flush=True)
-                for model in args.models.split(","):
+                if args.calibrate:
+                    prof = calibrate_hosts(c, args, rate, log)
+                    if prof is None:
+                        failed_calibrations.append(rate)
+                    else:
+                        profiles[rate] = prof
+                for model in [m for m in args.models.split(",") if m]:
                     for group in jobs(methods, args):
                         t0 = time.time()
                         rows = run_job(c, args, model, group, rate, log)
@@ -389,10 +445,10 @@ def driver(args):
         f.write(text)
     with open(os.path.join(args.out, "bench_cluster.json"), "w") as f:
         json.dump({"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "work"},
-                   "results": results}, f, indent=1)
+                   "results": results, "profiles": profiles}, f, indent=1)
     plot(results, os.path.join(args.out, "bench_cluster.png"), args.hosts)
     print("wrote %s/bench_cluster.{md,png,json}" % args.out)
-    return 0 if all(not r["failed"] for r in results) else 1
+    return 0 if all(not r["failed"] for r in results) and not failed_calibrations else 1
 
 
 def parser():
@@ -446,11 +502,22 @@ def parser():
     ap.add_argument("--append", action="store_true",
                     help="merge into <out>/bench_cluster.json: rows of this run replace the same "
                          "rate/model/method, the others stay")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="first, on every cluster (rate), measure the hosts' codec rates and a "
+                         "one-value allreduce in real-host seconds: the step-time model's profile "
+                         "of these hosts (<out>/profile-<N>h-<rate>.json, and \"profiles\" in "
+                         "bench_cluster.json, which `advise validate` uses); --models '' runs "
+                         "only this")
+    ap.add_argument("--calibrate-sizes", default="65536,262144,1048576,4194304",
+                    help="bucket sizes (values) --calibrate times (default %(default)s)")
+    ap.add_argument("--calibrate-min-wall", type=float, default=0.25,
+                    help="wall seconds each of --calibrate's readings spans at least, many CPU "
+                         "quota periods (default %(default)s)")
     ap.add_argument("--measure-headroom", action="store_true",
                     help="only measure: every host spins at quotas adding up to 1.0 ... 0.5 of "
                          "the cores and the CPU each got is printed against its quota")
     # worker mode (started by the driver in every host)
-    ap.add_argument("--worker", choices=["horovod", "ddp"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["horovod", "ddp", "calibrate"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -462,6 +529,8 @@ def parser():
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    if args.worker == "calibrate":
+        return calibrate_worker(args)
     if args.worker:
         return worker(args)
     if args.measure_headroom:

@@ -221,11 +221,16 @@ def main_calibrate(argv):
     p.add_argument("--ranks", default="2,4,8")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--eager", action="store_true", help="time the uncompiled codec")
+    p.add_argument("--clock", choices=calibrate.CLOCKS, default="cpu",
+                   help="cpu (default): CPU seconds of this process; wall: wall seconds / "
+                        "--dilation, for a virtual cluster's host (examples/bench_cluster.py "
+                        "--calibrate runs it on every host)")
+    p.add_argument("--dilation", type=float, default=1.0)
     args = p.parse_args(argv)
     sizes = [_binary(s) for s in args.sizes.split(",")]
     prof = calibrate.calibrate(args.out, sizes=sizes, ranks=[int(r) for r in args.ranks.split(",")],
                                threads=args.threads, compiled=not args.eager, reps=args.reps,
-                               name=args.name)
+                               name=args.name, clock=args.clock, dilation=args.dilation)
     print("wrote %s" % args.out)
     for k in steptime.CODEC_KEYS:
         c0, c1, a, b = prof["codec"][k]

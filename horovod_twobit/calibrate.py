@@ -16,13 +16,21 @@ from .steptime import CODEC_KEYS
 
 def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ranks=(2, 4, 8),
               threads=1, compiled=True,
-              reps=5, name="cpu"):
+              reps=5, name="cpu", clock="cpu", dilation=1.0, min_wall_s=0.25):
     """Measures this machine's codec rates with the project's own codec functions (PyTorch,
     ``threads`` threads, the compiled path unless ``compiled=False``; the ones
     ``horovod_twobit.benchmarks.codec`` times, plus the "auto" and scatter ones) and the costs the
     model takes per value (sums, copies, casts, the optimizer, the kernel's TCP work per byte, the
     software latency of a message). Each codec call is fitted as ``c0 + c1 N + n (a + b N)`` from
-    the sizes and rank counts timed, and by size (:func:`_fit_by_size`). Returns the profile and writes it to ``path`` (JSON)."""
+    the sizes and rank counts timed, and by size (:func:`_fit_by_size`). Returns the profile and writes it to ``path`` (JSON).
+
+    ``clock``: "cpu" (default) times each call in this process's CPU seconds, what one core of a
+    host spends, which other jobs on a shared machine do not inflate; "wall" in wall seconds
+    divided by ``dilation``: inside a virtual cluster's host (a CPU quota, time dilation D, see
+    docs/emulation.md) that is the real-host second of the host being stood for, its quota's
+    gaps, its neighbours' share of the caches and the timer's granularity included; each reading
+    then spans at least ``min_wall_s`` of wall time (:class:`_Timer`)."""
+    timer = _Timer(clock, dilation, min_wall_s)
     import platform
     import torch
     from .torch import kernels
@@ -33,22 +41,24 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ra
         points = {k: [] for k in CODEC_KEYS}
         for n in sizes:
             for N in ranks:
-                for key, secs in _time_codec(int(n), int(N), reps).items():
+                for key, secs in _time_codec(int(n), int(N), reps, timer).items():
                     points[key].append((int(n), int(N), secs))
         codec = {k: _fit(v) for k, v in points.items()}
         by_size = {"sizes": sorted({int(n) for n in sizes}),
                    "keys": {k: _fit_by_size(v) for k, v in points.items()}}
-        per = _time_per_value(1 << 22, reps)
+        per = _time_per_value(1 << 22, reps, timer)
     finally:
         kernels.COMPILE_MIN_NUMEL = old
     prof = {"name": name, "kind": "measured", "serial": True,
             "source": "python -m horovod_twobit.advise calibrate on %s (%s, %d thread(s), %s "
-                      "codec, torch %s)" % (platform.node() or "?", _cpu_name(), threads,
-                                           "compiled" if compiled else "eager", torch.__version__),
+                      "codec, torch %s, %s)" % (platform.node() or "?", _cpu_name(), threads,
+                                               "compiled" if compiled else "eager",
+                                               torch.__version__, _clock_name(clock, dilation)),
             "note": "one host = one core doing compute, codec and the exchange's CPU work",
             "codec": codec, "codec_by_size": by_size, "points": points}
     prof.update(per)
-    prof.update(_time_network())
+    prof.update(_time_network(nbytes=(64 << 20) if clock == "cpu" else (256 << 20), timer=timer,
+                              dilation=dilation if clock == "wall" else 1.0))
     if path:
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
@@ -56,6 +66,82 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ra
             json.dump(prof, f, indent=1, sort_keys=True)
             f.write("\n")
     return prof
+
+
+def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluster",
+                 framework_cpu=None, rate="1gbit"):
+    """One profile for the hosts of a virtual cluster, from each host's :func:`calibrate` with
+    ``clock="wall"`` (run on every host at once): per codec point, per-value cost and message
+    cost, the median over hosts, refitted; and ``collective_s``, the fixed cost per collective,
+    from ``allreduce1_s``, the seconds of a one-value allreduce among the ``nranks`` hosts (real-
+    host seconds), less what the model charges such an allreduce besides it: half of Horovod's
+    ``cycle_s`` and its messages (negotiation, 2 ceil(log2 N), and ring, 2 (N - 1)), each
+    ``message_s`` (the emulation adds no link delay); and, given ``framework_cpu`` (each host's
+    ``examples._cluster_worker.framework_cpu``), ``framework_s`` (:func:`framework_costs`)."""
+    import math
+    import statistics
+    profs = list(host_profiles)
+    if not profs:
+        raise ValueError("from_cluster needs at least one host's profile")
+    keys = profs[0]["points"]
+    points = {}
+    for k in keys:
+        at = {}
+        for p in profs:
+            for n, N, secs in p["points"][k]:
+                at.setdefault((int(n), int(N)), []).append(secs)
+        points[k] = [(n, N, statistics.median(v)) for (n, N), v in sorted(at.items())]
+    prof = refit(dict(profs[0], name=name, points=points))
+    for k, v in profs[0].items():
+        if k.endswith("_s") or k.endswith("_per_byte"):
+            prof[k] = statistics.median(p[k] for p in profs)
+    N = int(nranks)
+    messages = 2 * math.ceil(math.log2(N)) + 2 * (N - 1) if N > 1 else 0
+    prof["collective_s"] = max(0.0, allreduce1_s - cycle_s / 2 - messages * prof["message_s"])
+    prof["allreduce1_s"] = allreduce1_s
+    if framework_cpu:
+        prof["framework_s"] = framework_costs(prof, framework_cpu, N, rate)
+        prof["framework_cpu"] = framework_cpu
+    prof["source"] = "%d hosts of a virtual cluster at once, each: %s" % (len(profs),
+                                                                        profs[0]["source"])
+    prof["note"] = ("one emulated host (a CPU quota, time dilation) doing compute, codec and the "
+                    "exchange's CPU work; collective_s from a one-value allreduce among %d of "
+                    "them" % N)
+    return prof
+
+
+FRAMEWORK_METHODS = {"none": "none", "twobit": "twobit", "scatter": "scatter"}
+
+
+def framework_costs(prof, per_host, nranks, rate="1gbit"):
+    """{kind: [seconds per step, seconds per tensor]}: the framework's CPU work that the model
+    does not charge otherwise (hooks, enqueueing, negotiation, synchronize, the compressor's
+    buckets; ``steptime.framework_s`` adds it), from the CPU seconds per step of
+    ``DistributedOptimizer`` steps on K tensors of 16 values measured on every host
+    (``per_host``: [{kind: {K: seconds}}], kind "plain" for the optimizer alone): the median
+    host's, less the plain step's and less the CPU the model charges those steps already (their
+    codec, reductions, copies, TCP), fitted as per step + K x per tensor through the two K."""
+    import statistics
+    from . import steptime
+    bare = {k: v for k, v in prof.items() if k != "framework_s"}
+
+    def median(kind, k):
+        return statistics.median(float(h[kind][str(k)] if str(k) in h[kind] else h[kind][k])
+                                 for h in per_host)
+    ks = sorted({int(k) for k in per_host[0]["plain"]})
+    if len(ks) < 2:
+        raise ValueError("framework costs need steps timed at two tensor counts, got %s" % ks)
+    lo, hi = ks[0], ks[-1]
+    out = {}
+    for kind, method in FRAMEWORK_METHODS.items():
+        extra = {}
+        for k in (lo, hi):
+            p = steptime.predict([16] * k, method, nranks, rate, 0.0, bare, latency_s=0.0)
+            charged = p.parts["cpu"] - p.parts["optimizer"]
+            extra[k] = median(kind, k) - median("plain", k) - charged
+        per_tensor = max(0.0, (extra[hi] - extra[lo]) / (hi - lo))
+        out[kind] = [max(0.0, extra[lo] - lo * per_tensor), per_tensor]
+    return out
 
 
 def _cpu_name():
@@ -66,22 +152,63 @@ def _cpu_name():
         return "?"
 
 
-def _median_time(fn, reps):
-    """The median CPU seconds of ``fn`` (this process's, one thread): what one core of a host
-    spends on it, which the other jobs of a shared machine do not inflate as they do its wall
-    time."""
+CLOCKS = ("cpu", "wall")
+
+
+class _Timer:
+    """The clock the calibration reads: this process's CPU seconds ("cpu"), or wall seconds over
+    ``dilation`` ("wall"). A wall-clock reading spans at least ``min_wall_s`` of wall time
+    (:func:`_median_time` repeats the call until it does): under a CPU quota a call shorter than
+    the quota's period can run entirely in one period's share at a whole core's speed, and only
+    over many periods does wall time / D stand for the real host's seconds."""
+
+    def __init__(self, clock, dilation=1.0, min_wall_s=0.25):
+        import time
+        if clock not in CLOCKS:
+            raise ValueError("clock must be one of %s, got %r" % (", ".join(CLOCKS), clock))
+        if not dilation or dilation <= 0:
+            raise ValueError("dilation must be > 0, got %r" % (dilation,))
+        self.clock, self.dilation = clock, float(dilation)
+        if clock == "cpu":
+            self.now, self.min_s = time.process_time, 0.0
+        else:
+            self.now = lambda: time.perf_counter() / self.dilation
+            self.min_s = min_wall_s / self.dilation
+
+    def __call__(self):
+        return self.now()
+
+
+def _clock_name(clock, dilation):
+    return ("CPU seconds" if clock == "cpu" else
+            "wall seconds / %g (a virtual cluster's real-host seconds)" % dilation
+            if dilation != 1 else "wall seconds")
+
+
+def _median_time(fn, reps, timer=None):
+    """The median seconds of ``fn`` by ``timer`` (default this process's CPU seconds, one
+    thread: what one core of a host spends on it, which the other jobs of a shared machine do
+    not inflate as they do its wall time); each of the ``reps`` readings repeats ``fn`` until
+    it spans the timer's ``min_s``."""
     import statistics
     import time
+    timer = timer or time.process_time
+    min_s = getattr(timer, "min_s", 0.0)
     fn()
     ts = []
     for _ in range(reps):
-        t0 = time.process_time()
-        fn()
-        ts.append(time.process_time() - t0)
+        t0, calls = timer(), 0
+        while True:
+            fn()
+            calls += 1
+            dt = timer() - t0
+            if dt >= min_s:
+                break
+        ts.append(dt / calls)
     return statistics.median(ts)
 
 
-def _time_codec(n, N, reps):
+def _time_codec(n, N, reps, timer=None):
     """Seconds of each codec call on one tensor of n values among N ranks (the other ranks'
     payloads are copies of this one's)."""
     import torch
@@ -95,16 +222,17 @@ def _time_codec(n, N, reps):
         r = torch.zeros(n)
         payload = torch.empty(lay.payload_words, dtype=torch.int32)
         enc = lambda: codec.encode_payload(lay, r, g, thr, "lsq", payload)
-        out["encode" + sfx] = _median_time(enc, reps)
+        out["encode" + sfx] = _median_time(enc, reps, timer)
         t, v = enc()
         gathered = payload.repeat(N)
         work = g.clone()
         out["finish" + sfx] = _median_time(
-            lambda: codec.finish_payload(lay, gathered, N, ["x"], r, work, t, v, N, 1.0), reps)
+            lambda: codec.finish_payload(lay, gathered, N, ["x"], r, work, t, v, N, 1.0), reps,
+            timer)
         chunks = _sw.Chunks(lay, N)
         send, splits = scatter_codec.chunk_payloads(chunks, payload, thr)
         out["scatter_encode" + sfx] = out["encode" + sfx] + _median_time(
-            lambda: scatter_codec.chunk_payloads(chunks, payload, thr), reps)
+            lambda: scatter_codec.chunk_payloads(chunks, payload, thr), reps, timer)
         offs = [0]
         for s in splits.tolist():
             offs.append(offs[-1] + s)
@@ -116,13 +244,13 @@ def _time_codec(n, N, reps):
             fn = lambda: scatter_codec.owner_reduce(chunks, received, [int(splits[c])] * N, ["x"],
                                                     c, thr, "lsq", res)
             if c == 0:
-                out["owner" + sfx] = _median_time(fn, reps)
+                out["owner" + sfx] = _median_time(fn, reps, timer)
             p, bad = fn()
             reduced.append(p)
         gathered2 = torch.cat(reduced)
         out["scatter_finish" + sfx] = _median_time(
             lambda: scatter_codec.finish_reduced(chunks, gathered2, ["x"], r, work, t, v,
-                                                 [False], N, 1.0), reps)
+                                                 [False], N, 1.0), reps, timer)
     return out
 
 
@@ -174,7 +302,7 @@ def refit(prof):
     return prof
 
 
-def _time_per_value(n, reps):
+def _time_per_value(n, reps, timer=None):
     """Per-value seconds of what the exchange and the optimizer do besides the codec. The float16
     sum is timed with NumPy's float16 add, which converts each value in software as Gloo's
     ``gloo::float16`` sum does (a proxy, not Gloo itself)."""
@@ -191,22 +319,24 @@ def _time_per_value(n, reps):
     d = torch.empty(n)
     m, q = torch.randn(2048, 2048), torch.randn(2048, 4)
     return {
-        "sum_fp32_s": _median_time(lambda: torch.add(a, b, out=o), reps) / n,
-        "sum_fp16_s": _median_time(lambda: np.add(h, h2, out=ho), reps) / (n // 4),
-        "cast_fp16_s": _median_time(lambda: half.copy_(a), reps) / n,
-        "copy_s_per_byte": _median_time(lambda: d.copy_(a), reps) / (4 * n),
-        "optimizer_s": _median_time(opt.step, reps) / n,
-        "powersgd_s": _median_time(lambda: m @ q, reps) / (2048 * 2048 * 4),
+        "sum_fp32_s": _median_time(lambda: torch.add(a, b, out=o), reps, timer) / n,
+        "sum_fp16_s": _median_time(lambda: np.add(h, h2, out=ho), reps, timer) / (n // 4),
+        "cast_fp16_s": _median_time(lambda: half.copy_(a), reps, timer) / n,
+        "copy_s_per_byte": _median_time(lambda: d.copy_(a), reps, timer) / (4 * n),
+        "optimizer_s": _median_time(opt.step, reps, timer) / n,
+        "powersgd_s": _median_time(lambda: m @ q, reps, timer) / (2048 * 2048 * 4),
     }
 
 
-def _time_network(nbytes=64 << 20, rounds=2000):
+def _time_network(nbytes=64 << 20, rounds=2000, timer=None, dilation=1.0):
     """The kernel's CPU seconds per byte a host sends and receives over TCP (both ends of a
-    loopback connection in this process, so each byte is sent once and received once), and the
-    software latency of a small message (half a round trip between two threads)."""
+    loopback connection in this process, so each byte is sent once and received once; by
+    ``timer``, default CPU seconds), and the software latency of a small message (half a round
+    trip between two threads; wall seconds, over the dilation where ``timer`` has one)."""
     import socket
     import threading
     import time
+    timer = timer or time.process_time
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -220,12 +350,12 @@ def _time_network(nbytes=64 << 20, rounds=2000):
         while total > 0:
             total -= con.recv_into(view)
     th = threading.Thread(target=sink, args=(nbytes,))
-    c0 = time.process_time()
+    c0 = timer()
     th.start()
     for _ in range(nbytes // len(buf)):
         cli.sendall(buf)
     th.join()
-    cpu = time.process_time() - c0
+    cpu = timer() - c0
 
     def echo():
         for _ in range(rounds):
@@ -236,7 +366,7 @@ def _time_network(nbytes=64 << 20, rounds=2000):
     for _ in range(rounds):
         cli.sendall(b"x")
         cli.recv(1)
-    rtt = (time.perf_counter() - t0) / rounds
+    rtt = (time.perf_counter() - t0) / rounds / dilation
     th.join()
     for s in (cli, con, srv):
         s.close()

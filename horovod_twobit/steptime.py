@@ -32,6 +32,9 @@ What one step is made of, on one host (the ranks are alike):
 * **decode** (the decode-sum of N payloads and the residual update) on the training thread, bucket
   by bucket as ``synchronize`` reaches them, overlapping the collectives still running.
 * the optimizer's update of every value.
+* the **framework's** own CPU work (:func:`framework_s`: Horovod's hooks, enqueueing and
+  synchronize, TwoBit's buckets), per gradient tensor in backward and per step at its end, where
+  the profile has it (measured on a virtual cluster's hosts; 0 otherwise).
 
 The step is the end of that critical path. On a profile whose host runs everything on one core
 (``serial``: the CPU profiles of this project's emulation), the step is at least the host's total
@@ -356,6 +359,8 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
     opt = total * prof["optimizer_s"]
     if method == "powersgd":
         return _predict_powersgd(sizes, N, wire, compute_s, opt, prof, powersgd_rank)
+    fw_step, fw_tensor = framework_s(prof, method)
+    per_value_s = lambda i: sizes[i] * per_value + fw_tensor  # noqa: E731
     units = _units(sizes, method, N, prof, bucket_bytes)
     # training thread: backward, with each unit's encode when its last gradient is ready
     t, done = fwd, set()
@@ -364,11 +369,11 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
     for u in order:
         for i in sorted(u.members, key=pos.get):
             if i not in done:
-                t += sizes[i] * per_value
+                t += per_value_s(i)
                 done.add(i)
         t += u.encode
         u.ready = t
-    backward_end = t + sum(sizes[i] for i in range(len(sizes)) if i not in done) * per_value
+    backward_end = t + sum(per_value_s(i) for i in range(len(sizes)) if i not in done)
     # background thread: cycles, fusion, one collective at a time
     free, wire_s, cpu_coll = 0.0, 0.0, 0.0
     pending = [(u.ready, k, u, 1) for k, u in enumerate(order)]
@@ -409,16 +414,34 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
     t = backward_end
     for u in order:
         t = max(t, u.done) + u.decode
-    step = t + opt
+    framework = fw_step + fw_tensor * len(sizes)
+    step = t + opt + fw_step
     codec = sum(u.encode + u.decode + u.owner for u in units)
     sent = exchange_bytes(sizes, method, N, bucket_bytes)
-    cpu = compute_s + codec + cpu_coll + opt + 2 * sent * prof["kernel_s_per_byte"]
+    cpu = (compute_s + codec + cpu_coll + opt + framework
+           + 2 * sent * prof["kernel_s_per_byte"])
     bound = "path"
     if prof.get("serial") and cpu > step:
         step, bound = cpu, "cpu"
     return Prediction(method, step, {
         "compute": compute_s, "codec": codec, "exchange": wire_s, "optimizer": opt,
-        "bytes_sent": sent, "cpu": cpu, "bound": bound, "collectives": len(units)})
+        "framework": framework, "bytes_sent": sent, "cpu": cpu, "bound": bound,
+        "collectives": len(units)})
+
+
+# which of a profile's measured framework costs (``framework_s``) each method pays
+FRAMEWORK_KINDS = {"none": "none", "fp16": "none", "twobit": "twobit", "auto": "twobit",
+                   "scatter": "scatter", "scatter_auto": "scatter"}
+
+
+def framework_s(prof, method):
+    """(seconds per step, seconds per gradient tensor) of the framework's own CPU work on the
+    training thread that the other terms do not hold (Horovod's hooks, enqueueing and
+    synchronize; TwoBit's buckets), from the profile's ``framework_s`` (measured on a virtual
+    cluster's hosts by ``examples/bench_cluster.py --calibrate``); (0, 0) where it has none.
+    Per tensor it is paid in backward as each gradient is ready, per step at its end."""
+    got = prof.get("framework_s", {}).get(FRAMEWORK_KINDS.get(method, ""))
+    return (float(got[0]), float(got[1])) if got else (0.0, 0.0)
 
 
 def _phase_kind(u, phase):

@@ -31,16 +31,20 @@ def bench_sizes(model, bench_args):
     return steptime.sizes_from(net)
 
 
-def compare(paths, profile="cpu", sizes_of=None, **kw):
+def compare(paths, profile=None, sizes_of=None, **kw):
     """Rows of predicted against measured real-host step for every Horovod row of bench_cluster
     JSON files (``<out>/bench_cluster.json``). Compute per step: the cell's no-compression
-    row's measured compute (the model's input), the same for every method of the cell."""
+    row's measured compute (the model's input), the same for every method of the cell.
+    ``profile``: the device profile for every row; None (default): the profile bench_cluster
+    measured on the rows' own hosts (``--calibrate``, its JSON's "profiles" by rate) where there
+    is one, else "cpu"."""
     sizes_of = sizes_of or bench_sizes
-    prof = steptime.load_profile(profile)
+    fixed = steptime.load_profile(profile) if profile is not None else None
     rows, cache = [], {}
     for path in paths:
         with open(path) as f:
             data = json.load(f)
+        measured = data.get("profiles", {})
         bargs = data.get("args", {})
         hosts = int(bargs.get("hosts", 4))
         res = [r for r in data["results"] if not r.get("failed") and r["method"] in EMU_METHODS]
@@ -53,11 +57,13 @@ def compare(paths, profile="cpu", sizes_of=None, **kw):
                    bargs.get("cnn_channels"))
             if key not in cache:
                 cache[key] = sizes_of(r["model"], bargs)
+            prof = fixed or measured.get(r["rate"]) or steptime.load_profile("cpu")
             p = steptime.predict(cache[key], r["method"], hosts, r["rate"], base["compute_s"],
                                  prof, latency_s=kw.get("latency_s", 0.0),
                                  bucket_bytes=bargs.get("bucket_bytes"))
             rows.append({"source": path, "hosts": hosts, "rate": r["rate"], "model": r["model"],
                          "method": r["method"], "measured_s": r["real_step_s"],
+                         "profile": prof.get("name"),
                          "predicted_s": p.step_s, "error": p.step_s / r["real_step_s"] - 1,
                          "bound": p.parts["bound"], "cpus_per_host": r.get("cpus_per_host"),
                          "dilation": r.get("dilation"), **_parts_against(r, p)})
@@ -94,7 +100,9 @@ def main_validate(argv):
                                             "for bench_cluster.json files (examples/"
                                             "bench_cluster.py's output).")
     p.add_argument("json", nargs="+")
-    p.add_argument("--profile", default="cpu")
+    p.add_argument("--profile", default=None,
+                   help="device profile for every row (default: the one bench_cluster measured "
+                        "on the rows' hosts with --calibrate, else cpu)")
     p.add_argument("--json-out", help="also write the rows and summary here")
     args = p.parse_args(argv)
     rows = compare(args.json, args.profile)

@@ -325,3 +325,27 @@ def test_cluster_benchmark_reports_every_method(tmp_path):
     assert rows["ddp_fp16"]["bytes_per_step"] < rows["none"]["bytes_per_step"]
     assert "| 1gbit | cnn (19.5k params) | Horovod, TwoBitCompressor (t=0.01) |" in \
         (out / "bench_cluster.md").read_text()
+
+
+def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
+    """bench_cluster --calibrate: every host's codec rates in real-host seconds, a one-value
+    allreduce among them and the framework's CPU per step and tensor become the profile of these
+    hosts, written beside the rows and taken by `advise validate`."""
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "examples", "bench_cluster.py"), "--hosts", "2",
+         "--rates", "1gbit", "--models", "", "--calibrate", "--calibrate-sizes", "16384,65536",
+         "--calibrate-min-wall", "0.02", "--steps", "2", "--iface", "hvdbench", "--subnet",
+         "10.77.2.0/24", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from horovod_twobit import steptime
+    prof = steptime.load_profile(str(out / "profile-2h-1gbit.json"))
+    assert json.load(open(out / "bench_cluster.json"))["profiles"]["1gbit"] == prof
+    assert prof["codec_by_size"]["sizes"] == [16384, 65536]
+    assert prof["cluster"]["hosts"] == 2 and len(prof["cluster"]["allreduce1_per_host_s"]) == 2
+    assert 0 < prof["collective_s"] < prof["allreduce1_s"] < 1.0
+    assert sorted(prof["framework_s"]) == ["none", "scatter", "twobit"]
+    assert all(v[0] >= 0 and v[1] >= 0 for v in prof["framework_s"].values())
+    for k in steptime.CODEC_KEYS:
+        assert steptime.codec_s(prof, k, 65536, 2) > 0
+    assert "calibrated 2 hosts" in proc.stdout

@@ -1,0 +1,129 @@
+"""The profile of a virtual cluster's hosts: the calibration's wall clock under a CPU quota
+(``calibrate(clock="wall", dilation=D)``), merging the hosts' calibrations into one profile with
+the measured fixed cost per collective (``calibrate.from_cluster``), and ``advise validate``
+taking that profile from bench_cluster's JSON."""
+
+import json
+import math
+
+import pytest
+
+from horovod_twobit import calibrate, steptime
+from horovod_twobit import validate
+
+
+def _host(scale, n=(1024, 4096), N=(2, 4)):
+    """A host's profile whose every codec point takes ``scale`` x (1e-4 + n 1e-9) s."""
+    pts = [(a, b, scale * (1e-4 + a * 1e-9)) for a in n for b in N]
+    prof = calibrate.refit({"name": "h", "kind": "measured", "serial": True, "source": "test",
+                            "points": {k: pts for k in steptime.CODEC_KEYS}, "codec": {}})
+    prof.update({k: scale * 1e-9 for k in ("sum_fp32_s", "sum_fp16_s", "cast_fp16_s",
+                                           "optimizer_s", "powersgd_s")})
+    prof.update(copy_s_per_byte=scale * 1e-10, kernel_s_per_byte=scale * 3e-10,
+                message_s=scale * 1e-5)
+    return prof
+
+
+def test_from_cluster_takes_the_median_host_and_the_collective_cost():
+    hosts = [_host(1.0), _host(2.0), _host(9.0)]  # the median host is the one at 2.0
+    prof = calibrate.from_cluster(hosts, allreduce1_s=2e-3, nranks=4, cycle_s=1e-3)
+    want = _host(2.0)
+    for k in steptime.CODEC_KEYS:
+        assert [p[:2] for p in prof["points"][k]] == [p[:2] for p in want["points"][k]]
+        assert [p[2] for p in prof["points"][k]] == pytest.approx([p[2] for p in want["points"][k]])
+        assert prof["codec"][k] == pytest.approx(want["codec"][k], rel=1e-6, abs=1e-15)
+    assert prof["message_s"] == pytest.approx(2e-5)
+    assert prof["kernel_s_per_byte"] == pytest.approx(6e-10)
+    # what the model charges a one-value allreduce besides collective_s: half a cycle, the
+    # negotiation's 2 ceil(log2 4) = 4 messages and the ring's 2 (4 - 1) = 6
+    assert prof["collective_s"] == pytest.approx(2e-3 - 0.5e-3 - 10 * 2e-5)
+    assert prof["allreduce1_s"] == 2e-3 and prof["serial"] and prof["kind"] == "measured"
+    # the model, given the profile, charges a one-value allreduce what was measured
+    wire = steptime.Wire.of_link(4, "1gbit", 0.0, prof, cycle_s=1e-3)
+    one = wire.cycle_s / 2 + wire.fixed + steptime._collective_s("allreduce", 4, 4, 1, wire, prof)
+    assert one == pytest.approx(2e-3, rel=1e-3)
+    steptime.load_profile(prof)  # a valid profile
+
+
+def test_from_cluster_never_gives_a_negative_collective_cost():
+    prof = calibrate.from_cluster([_host(1.0)], allreduce1_s=1e-5, nranks=8)
+    assert prof["collective_s"] == 0.0
+    with pytest.raises(ValueError, match="at least one host"):
+        calibrate.from_cluster([], 1e-3, 2)
+
+
+def test_wall_clock_spans_many_quota_periods():
+    """Under a quota a short call runs at a whole core's speed inside one period's share: the
+    wall clock repeats it until the reading spans min_wall_s, and divides by the dilation."""
+    t = {"now": 0.0}
+
+    class Fake(calibrate._Timer):
+        def __init__(self):
+            super().__init__("wall", dilation=4.0, min_wall_s=0.25)
+            self.now = lambda: t["now"] / 4.0
+
+    calls = []
+
+    def fn():  # 1/1024 s of wall time per call (binary fractions: exact sums)
+        calls.append(1)
+        t["now"] += 1.0 / 1024
+    secs = calibrate._median_time(fn, 3, Fake())
+    assert secs == 1.0 / 1024 / 4.0
+    assert len(calls) == 1 + 3 * 256  # one warm-up call, then 0.25 s of calls per reading
+
+
+@pytest.mark.parametrize("clock,dilation,match", [("tsc", 1.0, "clock must be"),
+                                                  ("wall", 0, "dilation must be")])
+def test_bad_clock_is_an_error(clock, dilation, match):
+    with pytest.raises(ValueError, match=match):
+        calibrate.calibrate(sizes=(1024,), ranks=(2,), clock=clock, dilation=dilation)
+
+
+def test_validate_uses_the_profile_measured_on_the_rows_hosts(tmp_path):
+    def row(method, real):
+        return {"model": "m", "method": method, "rate": "1gbit", "failed": False,
+                "real_step_s": real, "compute_s": 0.1}
+    slow = dict(_host(50.0), name="slow-hosts", collective_s=0.0)
+    path = tmp_path / "bench_cluster.json"
+    path.write_text(json.dumps({"args": {"hosts": 4}, "results": [row("none", 0.5),
+                                                                  row("twobit", 0.5)],
+                                "profiles": {"1gbit": slow}}))
+    sizes = lambda model, args: [1 << 20] * 4
+    got = validate.compare([str(path)], sizes_of=sizes)
+    assert {r["profile"] for r in got} == {"slow-hosts"}
+    want = steptime.predict([1 << 20] * 4, "twobit", 4, "1gbit", 0.1, slow, latency_s=0.0)
+    assert got[1]["predicted_s"] == pytest.approx(want.step_s)
+    cpu = validate.compare([str(path)], "cpu", sizes_of=sizes)  # --profile overrides it
+    assert {r["profile"] for r in cpu} == {"cpu"}
+    assert not math.isclose(cpu[1]["predicted_s"], got[1]["predicted_s"])
+
+
+def test_framework_costs_are_what_the_model_does_not_charge():
+    """Measured steps of K tiny tensors, less the plain optimizer's step and the model's own
+    charges, fitted as per step + K x per tensor; the model then pays them."""
+    prof = dict(_host(1.0), collective_s=0.0)
+    bare = {}
+    for method in ("none", "twobit", "scatter"):
+        for k in (1, 64):
+            p = steptime.predict([16] * k, method, 4, "1gbit", 0.0, prof, latency_s=0.0)
+            bare[method, k] = p.parts["cpu"] - p.parts["optimizer"]
+    want = {"none": (1e-3, 50e-6), "twobit": (2e-3, 20e-6), "scatter": (3e-3, 30e-6)}
+    host = {"plain": {"1": 1e-4, "64": 2e-3}}  # JSON keys, as the worker's file has them
+    for kind, (step, tensor) in want.items():
+        host[kind] = {str(k): host["plain"][str(k)] + bare[kind, k] + step + k * tensor
+                      for k in (1, 64)}
+    other = {kind: {k: 10 * v for k, v in d.items()} for kind, d in host.items()}
+    got = calibrate.framework_costs(prof, [host, host, other], 4)  # median host: `host`
+    for kind, (step, tensor) in want.items():
+        assert got[kind] == pytest.approx([step, tensor], rel=1e-6)
+    prof["framework_s"] = got
+    sizes = [1 << 16] * 10
+    for method, kind in (("none", "none"), ("fp16", "none"), ("auto", "twobit"),
+                         ("scatter_auto", "scatter")):
+        with_fw = steptime.predict(sizes, method, 4, "1gbit", 0.05, prof, latency_s=0.0)
+        without = steptime.predict(sizes, method, 4, "1gbit", 0.05, _host(1.0), latency_s=0.0)
+        step, tensor = want[kind]
+        assert with_fw.parts["framework"] == pytest.approx(step + 10 * tensor)
+        assert with_fw.parts["cpu"] - without.parts["cpu"] == pytest.approx(step + 10 * tensor)
+        assert with_fw.step_s > without.step_s + step
+    assert steptime.framework_s(_host(1.0), "twobit") == (0.0, 0.0)
