@@ -378,7 +378,8 @@ def framework_cpu(steps):
     with no compression ("none") and TwoBit's two exchanges ("twobit", "scatter"), and of a plain
     optimizer step on the same tensors ("plain"): the framework's own work per step and per
     tensor (hooks, enqueueing, negotiation, synchronize, the compressor's buckets), which
-    :func:`horovod_twobit.calibrate.from_cluster` separates from what the model charges already.
+    :func:`horovod_twobit.cluster_profile.framework_costs` separates from what the model
+    charges already.
     {kind: {K: seconds}}; each a median over ``steps`` x 2 steps after 3 untimed ones."""
     import torch
     import horovod.torch as hvd

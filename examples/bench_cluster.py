@@ -220,9 +220,9 @@ def run_job(c, args, model, methods, rate, log):
 def calibrate_hosts(c, args, rate, log):
     """Every host's codec rates measured at once inside the cluster, in real-host seconds, and
     a one-value allreduce among them (``examples._cluster_worker.calibrate_worker``): the
-    step-time model's profile of this cluster's hosts (``horovod_twobit.calibrate.from_cluster``),
-    or None where the job failed."""
-    from horovod_twobit import calibrate
+    step-time model's profile of this cluster's hosts
+    (``horovod_twobit.cluster_profile.from_cluster``), or None where the job failed."""
+    from horovod_twobit import cluster_profile
     out = tempfile.mkdtemp(prefix="calibrate-", dir=args.work)
     d = c.dilation
     env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": str(args.threads), "TF_CPP_MIN_LOG_LEVEL": "3",
@@ -243,7 +243,7 @@ def calibrate_hosts(c, args, rate, log):
                                                            res.output[-3000:]), flush=True)
         return None
     one = statistics.median(r["allreduce1_s"] for r in ranks)
-    prof = calibrate.from_cluster([r["profile"] for r in ranks], one, c.n_hosts,
+    prof = cluster_profile.from_cluster([r["profile"] for r in ranks], one, c.n_hosts,
                                   name="cluster-%dh-%s" % (c.n_hosts, rate),
                                   framework_cpu=[r["framework_cpu"] for r in ranks], rate=rate)
     prof["cluster"] = {"hosts": c.n_hosts, "rate": rate, "cpus_per_host": c.cpus_per_host,
@@ -508,7 +508,7 @@ def parser():
                          "of these hosts (<out>/profile-<N>h-<rate>.json, and \"profiles\" in "
                          "bench_cluster.json, which `advise validate` uses); --models '' runs "
                          "only this")
-    ap.add_argument("--calibrate-sizes", default="65536,262144,1048576,4194304",
+    ap.add_argument("--calibrate-sizes", default="65536,262144,1048576,4194304,16777216",
                     help="bucket sizes (values) --calibrate times (default %(default)s)")
     ap.add_argument("--calibrate-min-wall", type=float, default=0.25,
                     help="wall seconds each of --calibrate's readings spans at least, many CPU "

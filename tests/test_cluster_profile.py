@@ -1,6 +1,6 @@
 """The profile of a virtual cluster's hosts: the calibration's wall clock under a CPU quota
 (``calibrate(clock="wall", dilation=D)``), merging the hosts' calibrations into one profile with
-the measured fixed cost per collective (``calibrate.from_cluster``), and ``advise validate``
+the measured fixed cost per collective (``cluster_profile.from_cluster``), and ``advise validate``
 taking that profile from bench_cluster's JSON."""
 
 import json
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from horovod_twobit import calibrate, steptime
+from horovod_twobit import calibrate, cluster_profile, steptime
 from horovod_twobit import validate
 
 
@@ -26,7 +26,7 @@ def _host(scale, n=(1024, 4096), N=(2, 4)):
 
 def test_from_cluster_takes_the_median_host_and_the_collective_cost():
     hosts = [_host(1.0), _host(2.0), _host(9.0)]  # the median host is the one at 2.0
-    prof = calibrate.from_cluster(hosts, allreduce1_s=2e-3, nranks=4, cycle_s=1e-3)
+    prof = cluster_profile.from_cluster(hosts, allreduce1_s=2e-3, nranks=4, cycle_s=1e-3)
     want = _host(2.0)
     for k in steptime.CODEC_KEYS:
         assert [p[:2] for p in prof["points"][k]] == [p[:2] for p in want["points"][k]]
@@ -46,10 +46,10 @@ def test_from_cluster_takes_the_median_host_and_the_collective_cost():
 
 
 def test_from_cluster_never_gives_a_negative_collective_cost():
-    prof = calibrate.from_cluster([_host(1.0)], allreduce1_s=1e-5, nranks=8)
+    prof = cluster_profile.from_cluster([_host(1.0)], allreduce1_s=1e-5, nranks=8)
     assert prof["collective_s"] == 0.0
     with pytest.raises(ValueError, match="at least one host"):
-        calibrate.from_cluster([], 1e-3, 2)
+        cluster_profile.from_cluster([], 1e-3, 2)
 
 
 def test_wall_clock_spans_many_quota_periods():
@@ -113,7 +113,7 @@ def test_framework_costs_are_what_the_model_does_not_charge():
         host[kind] = {str(k): host["plain"][str(k)] + bare[kind, k] + step + k * tensor
                       for k in (1, 64)}
     other = {kind: {k: 10 * v for k, v in d.items()} for kind, d in host.items()}
-    got = calibrate.framework_costs(prof, [host, host, other], 4)  # median host: `host`
+    got = cluster_profile.framework_costs(prof, [host, host, other], 4)  # median host: `host`
     for kind, (step, tensor) in want.items():
         assert got[kind] == pytest.approx([step, tensor], rel=1e-6)
     prof["framework_s"] = got

@@ -1,0 +1,86 @@
+"""The step-time model's profile of a virtual cluster's hosts, from measurements taken on the
+hosts themselves (``examples/bench_cluster.py --calibrate``, whose
+``examples/_cluster_worker.py`` runs :func:`horovod_twobit.calibrate.calibrate` with
+``clock="wall"`` on every host at once, a one-value allreduce among them and
+``DistributedOptimizer`` steps on tiny tensors): :func:`from_cluster` merges them into one
+profile with the fixed cost per collective (``collective_s``) and the framework's own CPU work
+(``framework_s``, :func:`framework_costs`)."""
+
+from .calibrate import refit
+
+
+def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluster",
+                 framework_cpu=None, rate="1gbit"):
+    """One profile for the hosts of a virtual cluster, from each host's
+    :func:`~horovod_twobit.calibrate.calibrate` with ``clock="wall"`` (run on every host at
+    once): per codec point, per-value cost and message cost, the median over hosts, refitted;
+    ``collective_s``, the fixed cost per collective, from ``allreduce1_s``, the seconds of a
+    one-value allreduce among the ``nranks`` hosts (real-host seconds), less what the model
+    charges such an allreduce besides it: half of Horovod's ``cycle_s`` and its messages
+    (negotiation, 2 ceil(log2 N), and ring, 2 (N - 1)), each ``message_s`` (the emulation adds
+    no link delay); and, given ``framework_cpu`` (each host's
+    ``examples._cluster_worker.framework_cpu``), ``framework_s`` (:func:`framework_costs`)."""
+    import math
+    import statistics
+    profs = list(host_profiles)
+    if not profs:
+        raise ValueError("from_cluster needs at least one host's profile")
+    keys = profs[0]["points"]
+    points = {}
+    for k in keys:
+        at = {}
+        for p in profs:
+            for n, N, secs in p["points"][k]:
+                at.setdefault((int(n), int(N)), []).append(secs)
+        points[k] = [(n, N, statistics.median(v)) for (n, N), v in sorted(at.items())]
+    prof = refit(dict(profs[0], name=name, points=points))
+    for k, v in profs[0].items():
+        if k.endswith("_s") or k.endswith("_per_byte"):
+            prof[k] = statistics.median(p[k] for p in profs)
+    N = int(nranks)
+    messages = 2 * math.ceil(math.log2(N)) + 2 * (N - 1) if N > 1 else 0
+    prof["collective_s"] = max(0.0, allreduce1_s - cycle_s / 2 - messages * prof["message_s"])
+    prof["allreduce1_s"] = allreduce1_s
+    if framework_cpu:
+        prof["framework_s"] = framework_costs(prof, framework_cpu, N, rate)
+        prof["framework_cpu"] = framework_cpu
+    prof["source"] = "%d hosts of a virtual cluster at once, each: %s" % (len(profs),
+                                                                        profs[0]["source"])
+    prof["note"] = ("one emulated host (a CPU quota, time dilation) doing compute, codec and the "
+                    "exchange's CPU work; collective_s from a one-value allreduce among %d of "
+                    "them" % N)
+    return prof
+
+
+FRAMEWORK_METHODS = {"none": "none", "twobit": "twobit", "scatter": "scatter"}
+
+
+def framework_costs(prof, per_host, nranks, rate="1gbit"):
+    """{kind: [seconds per step, seconds per tensor]}: the framework's CPU work that the model
+    does not charge otherwise (hooks, enqueueing, negotiation, synchronize, the compressor's
+    buckets; ``steptime.framework_s`` adds it), from the CPU seconds per step of
+    ``DistributedOptimizer`` steps on K tensors of 16 values measured on every host
+    (``per_host``: [{kind: {K: seconds}}], kind "plain" for the optimizer alone): the median
+    host's, less the plain step's and less the CPU the model charges those steps already (their
+    codec, reductions, copies, TCP), fitted as per step + K x per tensor through the two K."""
+    import statistics
+    from . import steptime
+    bare = {k: v for k, v in prof.items() if k != "framework_s"}
+
+    def median(kind, k):
+        return statistics.median(float(h[kind][str(k)] if str(k) in h[kind] else h[kind][k])
+                                 for h in per_host)
+    ks = sorted({int(k) for k in per_host[0]["plain"]})
+    if len(ks) < 2:
+        raise ValueError("framework costs need steps timed at two tensor counts, got %s" % ks)
+    lo, hi = ks[0], ks[-1]
+    out = {}
+    for kind, method in FRAMEWORK_METHODS.items():
+        extra = {}
+        for k in (lo, hi):
+            p = steptime.predict([16] * k, method, nranks, rate, 0.0, bare, latency_s=0.0)
+            charged = p.parts["cpu"] - p.parts["optimizer"]
+            extra[k] = median(kind, k) - median("plain", k) - charged
+        per_tensor = max(0.0, (extra[hi] - extra[lo]) / (hi - lo))
+        out[kind] = [max(0.0, extra[lo] - lo * per_tensor), per_tensor]
+    return out
