@@ -350,6 +350,8 @@ def calibrate_worker(args):
     progress(rank, "the framework's CPU per step and per tensor")
     sleeping_waits()  # the benchmark's waits
     framework = framework_cpu(args.steps)
+    progress(rank, "the slowest host's lead on a burst of CPU work")
+    straggler = straggler_s(d, 10 * args.steps)
     progress(rank, "one-value allreduces")
     one = torch.zeros(1)
     times = []
@@ -363,6 +365,7 @@ def calibrate_worker(args):
         hvd.synchronize(handle)
         times.append((time.perf_counter() - t0) / d)
     res = {"rank": rank, "size": hvd.size(), "profile": prof, "framework_cpu": framework,
+           "straggler_s": straggler,
            "allreduce1_s": statistics.median(times[3:])}
     with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
         json.dump(res, f)
@@ -408,3 +411,31 @@ def framework_cpu(steps):
                 cpu.append(time.process_time() - c0)
             out[kind][k] = statistics.median(cpu[3:])
     return out
+
+
+def straggler_s(dilation, rounds, burst_s=0.01):
+    """How far the slowest host lags the median host on the same CPU work started together: every
+    host, after a barrier, runs a fixed burst of about ``burst_s`` real-host seconds (calibrated
+    on this host first); the hosts' real-host times are allgathered and each round gives the
+    slowest's lead over the median. The median over ``rounds``, in real-host seconds: what a
+    synchronous step pays for its slowest host (the quota's periods, the shared cores)."""
+    import torch
+    import horovod.torch as hvd
+    a = torch.randn(64, 64)
+
+    def work(n):
+        for _ in range(n):
+            torch.mm(a, a)
+    t0 = time.perf_counter()
+    work(200)
+    per = max((time.perf_counter() - t0) / dilation / 200, 1e-7)
+    n = int(hvd.allreduce(torch.tensor([burst_s / per]), name="straggler.n", op=hvd.Average)[0])
+    leads = []
+    for i in range(rounds):
+        hvd.allreduce(torch.zeros(1), name="straggler.barrier", op=hvd.Sum)
+        t0 = time.perf_counter()
+        work(max(n, 1))
+        t = (time.perf_counter() - t0) / dilation
+        ts = hvd.allgather(torch.tensor([t], dtype=torch.float64), name="straggler.t").tolist()
+        leads.append(max(ts) - statistics.median(ts))
+    return statistics.median(leads)

@@ -10,7 +10,7 @@ from .calibrate import refit
 
 
 def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluster",
-                 framework_cpu=None, rate="1gbit"):
+                 framework_cpu=None, rate="1gbit", straggler_s=None):
     """One profile for the hosts of a virtual cluster, from each host's
     :func:`~horovod_twobit.calibrate.calibrate` with ``clock="wall"`` (run on every host at
     once): per codec point, per-value cost and message cost, the median over hosts, refitted;
@@ -19,7 +19,9 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
     charges such an allreduce besides it: half of Horovod's ``cycle_s`` and its messages
     (negotiation, 2 ceil(log2 N), and ring, 2 (N - 1)), each ``message_s`` (the emulation adds
     no link delay); and, given ``framework_cpu`` (each host's
-    ``examples._cluster_worker.framework_cpu``), ``framework_s`` (:func:`framework_costs`)."""
+    ``examples._cluster_worker.framework_cpu``), ``framework_s`` (:func:`framework_costs`);
+    ``straggler_s``, the slowest host's lead over the median host on a burst of CPU work started
+    together (``examples._cluster_worker.straggler_s``), as measured."""
     import math
     import statistics
     profs = list(host_profiles)
@@ -41,6 +43,8 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
     messages = 2 * math.ceil(math.log2(N)) + 2 * (N - 1) if N > 1 else 0
     prof["collective_s"] = max(0.0, allreduce1_s - cycle_s / 2 - messages * prof["message_s"])
     prof["allreduce1_s"] = allreduce1_s
+    if straggler_s is not None:
+        prof["straggler_s"] = max(0.0, float(straggler_s))
     if framework_cpu:
         prof["framework_s"] = framework_costs(prof, framework_cpu, N, rate)
         prof["framework_cpu"] = framework_cpu

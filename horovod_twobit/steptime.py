@@ -35,6 +35,8 @@ What one step is made of, on one host (the ranks are alike):
 * the **framework's** own CPU work (:func:`framework_s`: Horovod's hooks, enqueueing and
   synchronize, TwoBit's buckets), per gradient tensor in backward and per step at its end, where
   the profile has it (measured on a virtual cluster's hosts; 0 otherwise).
+* the **slowest host**: a synchronous step waits for the last of N hosts; the profile's
+  ``straggler_s`` (:func:`straggler_s`, measured likewise) is its lead over the median host.
 
 The step is the end of that critical path. On a profile whose host runs everything on one core
 (``serial``: the CPU profiles of this project's emulation), the step is at least the host's total
@@ -415,7 +417,7 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
     for u in order:
         t = max(t, u.done) + u.decode
     framework = fw_step + fw_tensor * len(sizes)
-    step = t + opt + fw_step
+    step = t + opt + fw_step + straggler_s(prof, N)
     codec = sum(u.encode + u.decode + u.owner for u in units)
     sent = exchange_bytes(sizes, method, N, bucket_bytes)
     cpu = (compute_s + codec + cpu_coll + opt + framework
@@ -427,6 +429,14 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
         "compute": compute_s, "codec": codec, "exchange": wire_s, "optimizer": opt,
         "framework": framework, "bytes_sent": sent, "cpu": cpu, "bound": bound,
         "collectives": len(units)})
+
+
+def straggler_s(prof, nranks):
+    """The slowest host's lead over the median host on a step's work, which a synchronous step
+    waits for: the profile's ``straggler_s`` (measured on a virtual cluster's N hosts by
+    ``examples/bench_cluster.py --calibrate``: a burst of CPU work started together on every
+    host), 0 on one host or where the profile has none."""
+    return float(prof.get("straggler_s", 0.0)) if int(nranks) > 1 else 0.0
 
 
 # which of a profile's measured framework costs (``framework_s``) each method pays

@@ -345,6 +345,7 @@ def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
     assert prof["cluster"]["hosts"] == 2 and len(prof["cluster"]["allreduce1_per_host_s"]) == 2
     assert 0 < prof["collective_s"] < prof["allreduce1_s"] < 1.0
     assert sorted(prof["framework_s"]) == ["none", "scatter", "twobit"]
+    assert 0 <= prof["straggler_s"] < 1.0
     assert all(v[0] >= 0 and v[1] >= 0 for v in prof["framework_s"].values())
     for k in steptime.CODEC_KEYS:
         assert steptime.codec_s(prof, k, 65536, 2) > 0

@@ -127,3 +127,17 @@ def test_framework_costs_are_what_the_model_does_not_charge():
         assert with_fw.parts["cpu"] - without.parts["cpu"] == pytest.approx(step + 10 * tensor)
         assert with_fw.step_s > without.step_s + step
     assert steptime.framework_s(_host(1.0), "twobit") == (0.0, 0.0)
+
+
+def test_the_slowest_host_is_waited_for_once_per_step():
+    prof = cluster_profile.from_cluster([_host(1.0)], 2e-3, 4, straggler_s=0.004)
+    assert prof["straggler_s"] == 0.004
+    bare = dict(prof, straggler_s=0.0)
+    sizes = [1 << 16] * 10
+    for method in ("none", "twobit", "scatter_auto"):
+        got = steptime.predict(sizes, method, 4, "1gbit", 0.05, prof, latency_s=0.0)
+        want = steptime.predict(sizes, method, 4, "1gbit", 0.05, bare, latency_s=0.0)
+        assert got.step_s == pytest.approx(want.step_s + 0.004)
+        assert got.parts["cpu"] == pytest.approx(want.parts["cpu"])  # waiting, not CPU
+    assert steptime.straggler_s(prof, 1) == 0.0  # one host waits for no other
+    assert "straggler_s" not in cluster_profile.from_cluster([_host(1.0)], 2e-3, 4)
