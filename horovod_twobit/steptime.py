@@ -435,7 +435,8 @@ def straggler_s(prof, nranks):
     """The slowest host's lead over the median host on a step's work, which a synchronous step
     waits for: the profile's ``straggler_s`` (measured on a virtual cluster's N hosts by
     ``examples/bench_cluster.py --calibrate``: a burst of CPU work started together on every
-    host), 0 on one host or where the profile has none."""
+    host), 0 on one host or where the profile has none. It is measured at the profile's own
+    number of hosts (its ``cluster`` entry) and given as it is at any other N."""
     return float(prof.get("straggler_s", 0.0)) if int(nranks) > 1 else 0.0
 
 
