@@ -49,7 +49,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from examples._cluster_worker import THRESHOLDS, TWOBIT, calibrate_worker, worker  # noqa: E402
+from examples._cluster_calibrate import calibrate_worker  # noqa: E402
+from examples._cluster_worker import THRESHOLDS, TWOBIT, worker  # noqa: E402
 
 HOROVOD_METHODS = {"none": "Horovod, no compression", "fp16": "Horovod, Compression.fp16",
                    "twobit": "Horovod, TwoBitCompressor",
@@ -219,7 +220,7 @@ def run_job(c, args, model, methods, rate, log):
 
 def calibrate_hosts(c, args, rate, log):
     """Every host's codec rates measured at once inside the cluster, in real-host seconds, and
-    a one-value allreduce among them (``examples._cluster_worker.calibrate_worker``): the
+    a one-value allreduce among them (``examples._cluster_calibrate.calibrate_worker``): the
     step-time model's profile of this cluster's hosts
     (``horovod_twobit.cluster_profile.from_cluster``), or None where the job failed."""
     from horovod_twobit import cluster_profile

@@ -1,6 +1,6 @@
 """The step-time model's profile of a virtual cluster's hosts, from measurements taken on the
 hosts themselves (``examples/bench_cluster.py --calibrate``, whose
-``examples/_cluster_worker.py`` runs :func:`horovod_twobit.calibrate.calibrate` with
+``examples/_cluster_calibrate.py`` runs :func:`horovod_twobit.calibrate.calibrate` with
 ``clock="wall"`` on every host at once, a one-value allreduce among them and
 ``DistributedOptimizer`` steps on tiny tensors): :func:`from_cluster` merges them into one
 profile with the fixed cost per collective (``collective_s``) and the framework's own CPU work
@@ -19,9 +19,9 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
     charges such an allreduce besides it: half of Horovod's ``cycle_s`` and its messages
     (negotiation, 2 ceil(log2 N), and ring, 2 (N - 1)), each ``message_s`` (the emulation adds
     no link delay); and, given ``framework_cpu`` (each host's
-    ``examples._cluster_worker.framework_cpu``), ``framework_s`` (:func:`framework_costs`);
+    ``examples._cluster_calibrate.framework_cpu``), ``framework_s`` (:func:`framework_costs`);
     ``straggler_s``, the slowest host's lead over the median host on a burst of CPU work started
-    together (``examples._cluster_worker.straggler_s``), as measured."""
+    together (``examples._cluster_calibrate.straggler_s``), as measured."""
     import math
     import statistics
     profs = list(host_profiles)

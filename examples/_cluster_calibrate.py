@@ -1,0 +1,128 @@
+"""The calibrating side of ``examples/bench_cluster.py --calibrate``: what every host of the
+virtual cluster measures of itself for the step-time model (its codec in real-host seconds, the
+framework's CPU per step and per tensor, the slowest host's lead, a one-value allreduce);
+``horovod_twobit.cluster_profile.from_cluster`` merges the hosts' files into one profile."""
+
+import json
+import os
+import statistics
+import time
+
+from examples._cluster_worker import progress, sleeping_waits
+
+
+def calibrate_worker(args):
+    """Every host at once measures its codec rates and per-value costs in real-host seconds (wall
+    seconds / D, :func:`horovod_twobit.calibrate.calibrate` with ``clock="wall"``), so that the
+    step-time model is given the emulated host rather than an unthrottled core; then the
+    framework's CPU per step and per tensor (:func:`framework_cpu`), the slowest host's lead
+    (:func:`straggler_s`) and, all hosts idle again, the seconds of a one-value allreduce among
+    them (waited for as the benchmark's steps wait, with short sleeps; the median of
+    ``args.steps`` x 10). Writes ``<out>/rank<r>.json``: the profile, ``framework_cpu``,
+    ``straggler_s`` and ``allreduce1_s``."""
+    import torch
+    import horovod.torch as hvd
+    from horovod_twobit import calibrate
+    torch.set_num_threads(args.threads)
+    hvd.init()
+    rank = hvd.rank()
+    d = float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+    hvd.allreduce(torch.zeros(1), name="calibrate.start", op=hvd.Sum)
+    progress(rank, "codec rates on every host (wall seconds / %g)" % d)
+    prof = calibrate.calibrate(sizes=[int(s) for s in args.calibrate_sizes.split(",")],
+                               ranks=(2, 4, 8), threads=args.threads, reps=3,
+                               name="cluster", clock="wall", dilation=d,
+                               min_wall_s=args.calibrate_min_wall)
+    hvd.allreduce(torch.zeros(1), name="calibrate.codec_done", op=hvd.Sum)
+    progress(rank, "the framework's CPU per step and per tensor")
+    sleeping_waits()  # the benchmark's waits
+    framework = framework_cpu(args.steps)
+    progress(rank, "the slowest host's lead on a burst of CPU work")
+    straggler = straggler_s(d, 10 * args.steps)
+    progress(rank, "one-value allreduces")
+    one = torch.zeros(1)
+    times = []
+    for i in range(10 * args.steps + 3):
+        t0 = time.perf_counter()
+        handle = hvd.allreduce_async(one, name="calibrate.one", op=hvd.Sum)
+        delay = 2e-5 * d
+        while not hvd.poll(handle):
+            time.sleep(delay)
+            delay = min(2 * delay, 5e-4 * d)
+        hvd.synchronize(handle)
+        times.append((time.perf_counter() - t0) / d)
+    res = {"rank": rank, "size": hvd.size(), "profile": prof, "framework_cpu": framework,
+           "straggler_s": straggler,
+           "allreduce1_s": statistics.median(times[3:])}
+    with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+FRAMEWORK_TENSORS = (1, 64)
+
+
+def framework_cpu(steps):
+    """CPU seconds per step (this process, all threads: what a 1-core host spends) of
+    ``DistributedOptimizer`` steps on K tensors of 16 values, K in :data:`FRAMEWORK_TENSORS`,
+    with no compression ("none") and TwoBit's two exchanges ("twobit", "scatter"), and of a plain
+    optimizer step on the same tensors ("plain"): the framework's own work per step and per
+    tensor (hooks, enqueueing, negotiation, synchronize, the compressor's buckets), which
+    :func:`horovod_twobit.cluster_profile.framework_costs` separates from what the model
+    charges already.
+    {kind: {K: seconds}}; each a median over ``steps`` x 2 steps after 3 untimed ones."""
+    import torch
+    import horovod.torch as hvd
+    from horovod_twobit.torch import TwoBitCompressor
+    out = {}
+    for kind in ("plain", "none", "twobit", "scatter"):
+        out[kind] = {}
+        for k in FRAMEWORK_TENSORS:
+            params = [torch.nn.Parameter(torch.zeros(16)) for _ in range(k)]
+            opt = torch.optim.SGD(params, lr=0.0)
+            if kind != "plain":
+                comp = (hvd.Compression.none if kind == "none" else
+                        TwoBitCompressor(0.5, exchange="allgather" if kind == "twobit"
+                                         else "scatter"))
+                opt = hvd.DistributedOptimizer(
+                    opt, named_parameters=[("fw.%s.%d.%d" % (kind, k, i), p)
+                                           for i, p in enumerate(params)], compression=comp)
+            x = torch.ones(16)
+            cpu = []
+            for i in range(2 * steps + 3):
+                hvd.allreduce(torch.zeros(1), name="fw.barrier", op=hvd.Sum)
+                c0 = time.process_time()
+                opt.zero_grad()
+                sum((p * x).sum() for p in params).backward()
+                opt.step()
+                cpu.append(time.process_time() - c0)
+            out[kind][k] = statistics.median(cpu[3:])
+    return out
+
+
+def straggler_s(dilation, rounds, burst_s=0.01):
+    """How far the slowest host lags the median host on the same CPU work started together: every
+    host, after a barrier, runs a fixed burst of about ``burst_s`` real-host seconds (calibrated
+    on this host first); the hosts' real-host times are allgathered and each round gives the
+    slowest's lead over the median. The median over ``rounds``, in real-host seconds: what a
+    synchronous step pays for its slowest host (the quota's periods, the shared cores)."""
+    import torch
+    import horovod.torch as hvd
+    a = torch.randn(64, 64)
+
+    def work(n):
+        for _ in range(n):
+            torch.mm(a, a)
+    t0 = time.perf_counter()
+    work(200)
+    per = max((time.perf_counter() - t0) / dilation / 200, 1e-7)
+    n = int(hvd.allreduce(torch.tensor([burst_s / per]), name="straggler.n", op=hvd.Average)[0])
+    leads = []
+    for i in range(rounds):
+        hvd.allreduce(torch.zeros(1), name="straggler.barrier", op=hvd.Sum)
+        t0 = time.perf_counter()
+        work(max(n, 1))
+        t = (time.perf_counter() - t0) / dilation
+        ts = hvd.allgather(torch.tensor([t], dtype=torch.float64), name="straggler.t").tolist()
+        leads.append(max(ts) - statistics.median(ts))
+    return statistics.median(leads)
