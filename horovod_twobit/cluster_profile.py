@@ -71,10 +71,12 @@ def framework_costs(prof, per_host, nranks, rate="1gbit"):
     from . import steptime
     bare = {k: v for k, v in prof.items() if k != "framework_s"}
 
+    hosts = [{kind: {int(k): float(v) for k, v in d.items()} for kind, d in h.items()}
+             for h in per_host]  # keys are strings once the worker's JSON is read
+
     def median(kind, k):
-        return statistics.median(float(h[kind][str(k)] if str(k) in h[kind] else h[kind][k])
-                                 for h in per_host)
-    ks = sorted({int(k) for k in per_host[0]["plain"]})
+        return statistics.median(h[kind][k] for h in hosts)
+    ks = sorted(hosts[0]["plain"])
     if len(ks) < 2:
         raise ValueError("framework costs need steps timed at two tensor counts, got %s" % ks)
     lo, hi = ks[0], ks[-1]

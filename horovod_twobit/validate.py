@@ -40,6 +40,7 @@ def compare(paths, profile=None, sizes_of=None, **kw):
     is one, else "cpu"."""
     sizes_of = sizes_of or bench_sizes
     fixed = steptime.load_profile(profile) if profile is not None else None
+    cpu = steptime.load_profile("cpu")  # for rows without a measured profile
     rows, cache = [], {}
     for path in paths:
         with open(path) as f:
@@ -57,7 +58,7 @@ def compare(paths, profile=None, sizes_of=None, **kw):
                    bargs.get("cnn_channels"))
             if key not in cache:
                 cache[key] = sizes_of(r["model"], bargs)
-            prof = fixed or measured.get(r["rate"]) or steptime.load_profile("cpu")
+            prof = fixed or measured.get(r["rate"]) or cpu
             p = steptime.predict(cache[key], r["method"], hosts, r["rate"], base["compute_s"],
                                  prof, latency_s=kw.get("latency_s", 0.0),
                                  bucket_bytes=bargs.get("bucket_bytes"))
