@@ -19,7 +19,7 @@ def calibrate_worker(args):
     (:func:`straggler_s`) and, all hosts idle again, the seconds of a one-value allreduce among
     them (waited for as the benchmark's steps wait, with short sleeps; the median of
     ``args.steps`` x 10). Writes ``<out>/rank<r>.json``: the profile, ``framework_cpu``,
-    ``straggler_s`` and ``allreduce1_s``."""
+    ``straggler_s``, ``half_sum`` (:func:`half_sum_s`) and ``allreduce1_s``."""
     import torch
     import horovod.torch as hvd
     from horovod_twobit import calibrate
@@ -39,6 +39,8 @@ def calibrate_worker(args):
     framework = framework_cpu(args.steps)
     progress(rank, "the slowest host's lead on a burst of CPU work")
     straggler = straggler_s(d, 10 * args.steps)
+    progress(rank, "Gloo's float16 sum against float32's (same bytes)")
+    half_sum = half_sum_s(d, max(3, args.steps))
     progress(rank, "one-value allreduces")
     import horovod.torch.optimizer as hvd_optimizer  # its synchronize: sleeping_waits' wait
     one = torch.zeros(1)
@@ -48,7 +50,7 @@ def calibrate_worker(args):
         hvd_optimizer.synchronize(hvd.allreduce_async(one, name="calibrate.one", op=hvd.Sum))
         times.append((time.perf_counter() - t0) / d)
     res = {"rank": rank, "size": hvd.size(), "profile": prof, "framework_cpu": framework,
-           "straggler_s": straggler,
+           "straggler_s": straggler, "half_sum": half_sum,
            "allreduce1_s": statistics.median(times[3:])}
     with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
         json.dump(res, f)
@@ -61,7 +63,8 @@ FRAMEWORK_TENSORS = (1, 64)
 def framework_cpu(steps):
     """CPU seconds per step (this process, all threads: what a 1-core host spends) of
     ``DistributedOptimizer`` steps on K tensors of 16 values, K in :data:`FRAMEWORK_TENSORS`,
-    with no compression ("none") and TwoBit's two exchanges ("twobit", "scatter"), and of a plain
+    with no compression ("none"), ``hvd.Compression.fp16`` ("fp16": a cast each way per tensor)
+    and TwoBit's two exchanges ("twobit", "scatter"), and of a plain
     optimizer step on the same tensors ("plain"): the framework's own work per step and per
     tensor (hooks, enqueueing, negotiation, synchronize, the compressor's buckets), which
     :func:`horovod_twobit.cluster_profile.framework_costs` separates from what the model
@@ -71,15 +74,16 @@ def framework_cpu(steps):
     import horovod.torch as hvd
     from horovod_twobit.torch import TwoBitCompressor
     out = {}
-    for kind in ("plain", "none", "twobit", "scatter"):
+    for kind in ("plain", "none", "fp16", "twobit", "scatter"):
         out[kind] = {}
         for k in FRAMEWORK_TENSORS:
             params = [torch.nn.Parameter(torch.zeros(16)) for _ in range(k)]
             opt = torch.optim.SGD(params, lr=0.0)
             if kind != "plain":
-                comp = (hvd.Compression.none if kind == "none" else
-                        TwoBitCompressor(0.5, exchange="allgather" if kind == "twobit"
-                                         else "scatter"))
+                comp = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(kind)
+                if comp is None:
+                    comp = TwoBitCompressor(0.5, exchange="allgather" if kind == "twobit"
+                                            else "scatter")
                 opt = hvd.DistributedOptimizer(
                     opt, named_parameters=[("fw.%s.%d.%d" % (kind, k, i), p)
                                            for i, p in enumerate(params)], compression=comp)
@@ -122,3 +126,31 @@ def straggler_s(dilation, rounds, burst_s=0.01):
         ts = hvd.allgather(torch.tensor([t], dtype=torch.float64), name="straggler.t").tolist()
         leads.append(max(ts) - statistics.median(ts))
     return statistics.median(leads)
+
+
+HALF_SUM_VALUES = 1 << 21
+
+
+def half_sum_s(dilation, rounds, n=HALF_SUM_VALUES):
+    """An allreduce (sum) of ``n`` float16 values and one of n / 2 float32 values, the same bytes
+    on the wire, taking turns ``rounds`` times after one untimed pair: {"values": n, "fp16_s",
+    "fp32_s": median real-host seconds, "fp16_cpu_s", "fp32_cpu_s": median CPU seconds of this
+    process, all its threads}. The CPU difference is what Horovod's float16 sum (a software
+    conversion per value) costs beyond float32's, which
+    ``horovod_twobit.cluster_profile.from_cluster`` turns into the profile's ``sum_fp16_s``; the
+    wall difference is smaller where the ring's sums overlap its transfers."""
+    import torch
+    import horovod.torch as hvd
+    import horovod.torch.optimizer as hvd_optimizer  # its synchronize: sleeping_waits' wait
+    half = torch.ones(n, dtype=torch.float16)
+    single = torch.ones(n // 2, dtype=torch.float32)
+    times = {k: [] for k in ("fp16_s", "fp32_s", "fp16_cpu_s", "fp32_cpu_s")}
+    for i in range(rounds + 1):
+        for key, t in (("fp16", half), ("fp32", single)):
+            hvd.allreduce(torch.zeros(1), name="halfsum.barrier", op=hvd.Sum)
+            t0, c0 = time.perf_counter(), time.process_time()
+            hvd_optimizer.synchronize(hvd.allreduce_async(t, name="halfsum." + key, op=hvd.Sum))
+            if i:
+                times[key + "_s"].append((time.perf_counter() - t0) / dilation)
+                times[key + "_cpu_s"].append(time.process_time() - c0)
+    return dict({k: statistics.median(v) for k, v in times.items()}, values=n)

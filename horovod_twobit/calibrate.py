@@ -229,7 +229,8 @@ def refit(prof):
 def _time_per_value(n, reps, timer=None):
     """Per-value seconds of what the exchange and the optimizer do besides the codec. The float16
     sum is timed with NumPy's float16 add, which converts each value in software as Gloo's
-    ``gloo::float16`` sum does (a proxy, not Gloo itself)."""
+    ``gloo::float16`` sum does (a proxy, not Gloo itself; on a virtual cluster
+    ``horovod_twobit.cluster_profile.from_cluster`` replaces it with Horovod's own, measured)."""
     import numpy as np
     import torch
     a, b = torch.randn(n), torch.randn(n)

@@ -10,7 +10,7 @@ from .calibrate import refit
 
 
 def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluster",
-                 framework_cpu=None, rate="1gbit", straggler_s=None):
+                 framework_cpu=None, rate="1gbit", straggler_s=None, half_sum=None):
     """One profile for the hosts of a virtual cluster, from each host's
     :func:`~horovod_twobit.calibrate.calibrate` with ``clock="wall"`` (run on every host at
     once): per codec point, per-value cost and message cost, the median over hosts, refitted;
@@ -21,7 +21,10 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
     no link delay); and, given ``framework_cpu`` (each host's
     ``examples._cluster_calibrate.framework_cpu``), ``framework_s`` (:func:`framework_costs`);
     ``straggler_s``, the slowest host's lead over the median host on a burst of CPU work started
-    together (``examples._cluster_calibrate.straggler_s``), as measured."""
+    together (``examples._cluster_calibrate.straggler_s``), as measured; given ``half_sum`` (each
+    host's ``examples._cluster_calibrate.half_sum_s``), ``sum_fp16_s`` from Horovod's own float16
+    sum (:func:`half_sum_cost`) in place of the NumPy proxy, which stays as
+    ``sum_fp16_proxy_s``."""
     import math
     import statistics
     profs = list(host_profiles)
@@ -45,6 +48,10 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
     prof["allreduce1_s"] = allreduce1_s
     if straggler_s is not None:
         prof["straggler_s"] = max(0.0, float(straggler_s))
+    if half_sum:
+        prof["sum_fp16_proxy_s"] = prof["sum_fp16_s"]
+        prof["sum_fp16_s"] = half_sum_cost(half_sum, N, prof["sum_fp32_s"])
+        prof["half_sum"] = half_sum
     if framework_cpu:
         prof["framework_s"] = framework_costs(prof, framework_cpu, N, rate)
         prof["framework_cpu"] = framework_cpu
@@ -56,7 +63,25 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
     return prof
 
 
-FRAMEWORK_METHODS = {"none": "none", "twobit": "twobit", "scatter": "scatter"}
+def half_sum_cost(per_host, nranks, sum_fp32_s):
+    """CPU seconds per value of Horovod's float16 sum, from allreduces of n float16 and of n / 2
+    float32 values among ``nranks`` hosts (``per_host``: each host's {"values": n, "fp16_cpu_s",
+    "fp32_cpu_s"}, the process's CPU seconds per allreduce): the same bytes and messages, so the
+    medians' difference is the ring's sums alone, (N - 1) / N x (n x fp16 - n / 2 x fp32) per
+    value (``steptime``'s charge for an allreduce's reduction); ``sum_fp32_s``: float32's, from
+    the profile. CPU rather than wall time: Gloo's ring overlaps its sums with its transfers, so
+    on a slow link they hide in the wall time, yet a 1-core host spends them. Never below 0."""
+    import statistics
+    N = int(nranks)
+    if N < 2:
+        raise ValueError("the float16 sum is measured among at least 2 hosts, got %d" % N)
+    n = int(per_host[0]["values"])
+    t16 = statistics.median(h["fp16_cpu_s"] for h in per_host)
+    t32 = statistics.median(h["fp32_cpu_s"] for h in per_host)
+    return max(0.0, (t16 - t32) * N / ((N - 1) * n) + sum_fp32_s / 2)
+
+
+FRAMEWORK_METHODS = {"none": "none", "fp16": "fp16", "twobit": "twobit", "scatter": "scatter"}
 
 
 def framework_costs(prof, per_host, nranks, rate="1gbit"):
@@ -82,6 +107,8 @@ def framework_costs(prof, per_host, nranks, rate="1gbit"):
     lo, hi = ks[0], ks[-1]
     out = {}
     for kind, method in FRAMEWORK_METHODS.items():
+        if kind not in hosts[0]:  # measured before this kind was (fp16 falls back to none's)
+            continue
         extra = {}
         for k in (lo, hi):
             p = steptime.predict([16] * k, method, nranks, rate, 0.0, bare, latency_s=0.0)

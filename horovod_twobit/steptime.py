@@ -441,7 +441,7 @@ def straggler_s(prof, nranks):
 
 
 # which of a profile's measured framework costs (``framework_s``) each method pays
-FRAMEWORK_KINDS = {"none": "none", "fp16": "none", "twobit": "twobit", "auto": "twobit",
+FRAMEWORK_KINDS = {"none": "none", "fp16": "fp16", "twobit": "twobit", "auto": "twobit",
                    "scatter": "scatter", "scatter_auto": "scatter"}
 
 
@@ -450,8 +450,13 @@ def framework_s(prof, method):
     training thread that the other terms do not hold (Horovod's hooks, enqueueing and
     synchronize; TwoBit's buckets), from the profile's ``framework_s`` (measured on a virtual
     cluster's hosts by ``examples/bench_cluster.py --calibrate``); (0, 0) where it has none.
-    Per tensor it is paid in backward as each gradient is ready, per step at its end."""
-    got = prof.get("framework_s", {}).get(FRAMEWORK_KINDS.get(method, ""))
+    Per tensor it is paid in backward as each gradient is ready, per step at its end. fp16 takes
+    no compression's figures where the profile has none of its own (its casts per tensor then
+    go uncharged)."""
+    measured = prof.get("framework_s", {})
+    got = measured.get(FRAMEWORK_KINDS.get(method, ""))
+    if got is None and method == "fp16":  # a profile measured before fp16 had a row of its own
+        got = measured.get("none")
     return (float(got[0]), float(got[1])) if got else (0.0, 0.0)
 
 

@@ -329,8 +329,8 @@ def test_cluster_benchmark_reports_every_method(tmp_path):
 
 def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
     """bench_cluster --calibrate: every host's codec rates in real-host seconds, a one-value
-    allreduce among them and the framework's CPU per step and tensor become the profile of these
-    hosts, written beside the rows and taken by `advise validate`."""
+    allreduce among them, the framework's CPU per step and tensor and Horovod's float16 sum
+    become the profile of these hosts, written beside the rows and taken by `advise validate`."""
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", "bench_cluster.py"), "--hosts", "2",
@@ -344,7 +344,14 @@ def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
     assert prof["codec_by_size"]["sizes"] == [16384, 65536]
     assert prof["cluster"]["hosts"] == 2 and len(prof["cluster"]["allreduce1_per_host_s"]) == 2
     assert 0 < prof["collective_s"] < prof["allreduce1_s"] < 1.0
-    assert sorted(prof["framework_s"]) == ["none", "scatter", "twobit"]
+    assert sorted(prof["framework_s"]) == ["fp16", "none", "scatter", "twobit"]
+    # Horovod's float16 sum, from each host's float16 and float32 allreduces of the same bytes
+    from horovod_twobit import cluster_profile
+    assert len(prof["half_sum"]) == 2 and all(h["fp16_cpu_s"] > 0 and h["fp32_cpu_s"] > 0
+                                              for h in prof["half_sum"])
+    assert prof["sum_fp16_s"] == cluster_profile.half_sum_cost(prof["half_sum"], 2,
+                                                               prof["sum_fp32_s"])
+    assert prof["sum_fp16_proxy_s"] > 0
     assert 0 <= prof["straggler_s"] < 1.0
     assert all(v[0] >= 0 and v[1] >= 0 for v in prof["framework_s"].values())
     for k in steptime.CODEC_KEYS:

@@ -103,11 +103,12 @@ def test_framework_costs_are_what_the_model_does_not_charge():
     charges, fitted as per step + K x per tensor; the model then pays them."""
     prof = dict(_host(1.0), collective_s=0.0)
     bare = {}
-    for method in ("none", "twobit", "scatter"):
+    for method in ("none", "fp16", "twobit", "scatter"):
         for k in (1, 64):
             p = steptime.predict([16] * k, method, 4, "1gbit", 0.0, prof, latency_s=0.0)
             bare[method, k] = p.parts["cpu"] - p.parts["optimizer"]
-    want = {"none": (1e-3, 50e-6), "twobit": (2e-3, 20e-6), "scatter": (3e-3, 30e-6)}
+    want = {"none": (1e-3, 50e-6), "fp16": (1.5e-3, 70e-6), "twobit": (2e-3, 20e-6),
+            "scatter": (3e-3, 30e-6)}
     host = {"plain": {"1": 1e-4, "64": 2e-3}}  # JSON keys, as the worker's file has them
     for kind, (step, tensor) in want.items():
         host[kind] = {str(k): host["plain"][str(k)] + bare[kind, k] + step + k * tensor
@@ -118,7 +119,7 @@ def test_framework_costs_are_what_the_model_does_not_charge():
         assert got[kind] == pytest.approx([step, tensor], rel=1e-6)
     prof["framework_s"] = got
     sizes = [1 << 16] * 10
-    for method, kind in (("none", "none"), ("fp16", "none"), ("auto", "twobit"),
+    for method, kind in (("none", "none"), ("fp16", "fp16"), ("auto", "twobit"),
                          ("scatter_auto", "scatter")):
         with_fw = steptime.predict(sizes, method, 4, "1gbit", 0.05, prof, latency_s=0.0)
         without = steptime.predict(sizes, method, 4, "1gbit", 0.05, _host(1.0), latency_s=0.0)
@@ -127,6 +128,36 @@ def test_framework_costs_are_what_the_model_does_not_charge():
         assert with_fw.parts["cpu"] - without.parts["cpu"] == pytest.approx(step + 10 * tensor)
         assert with_fw.step_s > without.step_s + step
     assert steptime.framework_s(_host(1.0), "twobit") == (0.0, 0.0)
+    # hosts calibrated before fp16 had a kind of its own: fp16 pays no compression's figures
+    old = {kind: d for kind, d in host.items() if kind != "fp16"}
+    got = cluster_profile.framework_costs(prof, [old], 4)
+    assert "fp16" not in got
+    assert steptime.framework_s(dict(prof, framework_s=got), "fp16") == pytest.approx(want["none"])
+
+
+def test_the_float16_sum_is_measured_against_float32_of_the_same_bytes():
+    """n float16 values and n / 2 float32 values are the same bytes and messages; the ring sums
+    (N - 1) / N of each: the medians' difference in CPU seconds gives the float16 sum per value,
+    and the model then charges an allreduce of float16 what was measured."""
+    N, n, s16, s32 = 4, 1 << 20, 25e-9, 1e-9
+    wire_s = 0.05  # the TCP stack's CPU, the same for both
+    per_host = [{"values": n, "fp16_cpu_s": wire_s + (N - 1) / N * n * s16 * f,
+                 "fp32_cpu_s": wire_s + (N - 1) / N * n / 2 * s32 * f,
+                 "fp16_s": 0.0, "fp32_s": 0.0} for f in (1.0, 1.0, 3.0)]  # wall: not used
+    assert cluster_profile.half_sum_cost(per_host, N, s32) == pytest.approx(s16)
+    prof = cluster_profile.from_cluster([_host(1.0)], 2e-3, N, half_sum=per_host)
+    assert prof["sum_fp16_s"] == pytest.approx(s16)  # the host profile's float32 sum is s32
+    assert prof["sum_fp16_proxy_s"] == _host(1.0)["sum_fp16_s"] and prof["half_sum"] == per_host
+    wire = steptime.Wire.of_link(N, "1gbit", 0.0, prof)
+    half = steptime._collective_s("allreduce", N, 2 * n, n, wire, prof, dtype_bytes=2)
+    single = steptime._collective_s("allreduce", N, 2 * n, n // 2, wire, prof)
+    assert half - single == pytest.approx(per_host[0]["fp16_cpu_s"] - per_host[0]["fp32_cpu_s"])
+    # a float16 allreduce measured cheaper than float32's is clamped, never a negative cost
+    fast = [dict(h, fp16_cpu_s=h["fp32_cpu_s"] - 1.0) for h in per_host]
+    assert cluster_profile.half_sum_cost(fast, N, s32) == 0.0
+    with pytest.raises(ValueError, match="at least 2 hosts"):
+        cluster_profile.half_sum_cost(per_host, 1, s32)
+    assert "sum_fp16_proxy_s" not in cluster_profile.from_cluster([_host(1.0)], 2e-3, N)
 
 
 def test_the_slowest_host_is_waited_for_once_per_step():
