@@ -48,7 +48,7 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
     prof["allreduce1_s"] = allreduce1_s
     if straggler_s is not None:
         prof["straggler_s"] = max(0.0, float(straggler_s))
-    if half_sum:
+    if half_sum and N > 1:  # one host sums nothing: the proxy stays
         prof["sum_fp16_proxy_s"] = prof["sum_fp16_s"]
         prof["sum_fp16_s"] = half_sum_cost(half_sum, N, prof["sum_fp32_s"])
         prof["half_sum"] = half_sum

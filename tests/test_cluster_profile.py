@@ -158,6 +158,8 @@ def test_the_float16_sum_is_measured_against_float32_of_the_same_bytes():
     with pytest.raises(ValueError, match="at least 2 hosts"):
         cluster_profile.half_sum_cost(per_host, 1, s32)
     assert "sum_fp16_proxy_s" not in cluster_profile.from_cluster([_host(1.0)], 2e-3, N)
+    one = cluster_profile.from_cluster([_host(1.0)], 2e-3, 1, half_sum=per_host[:1])
+    assert one["sum_fp16_s"] == _host(1.0)["sum_fp16_s"] and "sum_fp16_proxy_s" not in one
 
 
 def test_the_slowest_host_is_waited_for_once_per_step():
