@@ -42,13 +42,8 @@ def calibrate_worker(args):
     progress(rank, "Gloo's float16 sum against float32's (same bytes)")
     half_sum = half_sum_s(d, max(3, args.steps))
     progress(rank, "one-value allreduces")
-    import horovod.torch.optimizer as hvd_optimizer  # its synchronize: sleeping_waits' wait
     one = torch.zeros(1)
-    times = []
-    for i in range(10 * args.steps + 3):
-        t0 = time.perf_counter()
-        hvd_optimizer.synchronize(hvd.allreduce_async(one, name="calibrate.one", op=hvd.Sum))
-        times.append((time.perf_counter() - t0) / d)
+    times = [timed_allreduce(one, "calibrate.one", d)[0] for _ in range(10 * args.steps + 3)]
     res = {"rank": rank, "size": hvd.size(), "profile": prof, "framework_cpu": framework,
            "straggler_s": straggler, "half_sum": half_sum,
            "allreduce1_s": statistics.median(times[3:])}
@@ -141,16 +136,24 @@ def half_sum_s(dilation, rounds, n=HALF_SUM_VALUES):
     wall difference is smaller where the ring's sums overlap its transfers."""
     import torch
     import horovod.torch as hvd
-    import horovod.torch.optimizer as hvd_optimizer  # its synchronize: sleeping_waits' wait
     half = torch.ones(n, dtype=torch.float16)
     single = torch.ones(n // 2, dtype=torch.float32)
     times = {k: [] for k in ("fp16_s", "fp32_s", "fp16_cpu_s", "fp32_cpu_s")}
     for i in range(rounds + 1):
         for key, t in (("fp16", half), ("fp32", single)):
             hvd.allreduce(torch.zeros(1), name="halfsum.barrier", op=hvd.Sum)
-            t0, c0 = time.perf_counter(), time.process_time()
-            hvd_optimizer.synchronize(hvd.allreduce_async(t, name="halfsum." + key, op=hvd.Sum))
+            wall, cpu = timed_allreduce(t, "halfsum." + key, dilation)
             if i:
-                times[key + "_s"].append((time.perf_counter() - t0) / dilation)
-                times[key + "_cpu_s"].append(time.process_time() - c0)
+                times[key + "_s"].append(wall)
+                times[key + "_cpu_s"].append(cpu)
     return dict({k: statistics.median(v) for k, v in times.items()}, values=n)
+
+
+def timed_allreduce(t, name, dilation):
+    """(real-host seconds, CPU seconds of this process) of one allreduce (sum) of ``t`` among
+    the hosts, waited for as the benchmark's steps wait (``sleeping_waits``' synchronize)."""
+    import horovod.torch as hvd
+    import horovod.torch.optimizer as hvd_optimizer
+    t0, c0 = time.perf_counter(), time.process_time()
+    hvd_optimizer.synchronize(hvd.allreduce_async(t, name=name, op=hvd.Sum))
+    return (time.perf_counter() - t0) / dilation, time.process_time() - c0

@@ -440,9 +440,10 @@ def straggler_s(prof, nranks):
     return float(prof.get("straggler_s", 0.0)) if int(nranks) > 1 else 0.0
 
 
-# which of a profile's measured framework costs (``framework_s``) each method pays
-FRAMEWORK_KINDS = {"none": "none", "fp16": "fp16", "twobit": "twobit", "auto": "twobit",
-                   "scatter": "scatter", "scatter_auto": "scatter"}
+# which of a profile's measured framework costs (``framework_s``) each method pays, the first
+# the profile has: profiles measured before fp16 had a kind of its own give it no compression's
+FRAMEWORK_KINDS = {"none": ("none",), "fp16": ("fp16", "none"), "twobit": ("twobit",),
+                   "auto": ("twobit",), "scatter": ("scatter",), "scatter_auto": ("scatter",)}
 
 
 def framework_s(prof, method):
@@ -454,9 +455,7 @@ def framework_s(prof, method):
     no compression's figures where the profile has none of its own (its casts per tensor then
     go uncharged)."""
     measured = prof.get("framework_s", {})
-    got = measured.get(FRAMEWORK_KINDS.get(method, ""))
-    if got is None and method == "fp16":  # a profile measured before fp16 had a row of its own
-        got = measured.get("none")
+    got = next((measured[k] for k in FRAMEWORK_KINDS.get(method, ()) if k in measured), None)
     return (float(got[0]), float(got[1])) if got else (0.0, 0.0)
 
 
