@@ -19,7 +19,8 @@ def calibrate_worker(args):
     (:func:`straggler_s`) and, all hosts idle again, the seconds of a one-value allreduce among
     them (waited for as the benchmark's steps wait, with short sleeps; the median of
     ``args.steps`` x 10). Writes ``<out>/rank<r>.json``: the profile, ``framework_cpu``,
-    ``straggler_s``, ``half_sum`` (:func:`half_sum_s`) and ``allreduce1_s``."""
+    ``straggler_s``, ``half_sum`` (:func:`half_sum_s`), ``allreduce1_s`` and
+    ``allreduce1_loaded_s`` (:func:`loaded_allreduce_s`)."""
     import torch
     import horovod.torch as hvd
     from horovod_twobit import calibrate
@@ -44,9 +45,11 @@ def calibrate_worker(args):
     progress(rank, "one-value allreduces")
     one = torch.zeros(1)
     times = [timed_allreduce(one, "calibrate.one", d)[0] for _ in range(10 * args.steps + 3)]
+    progress(rank, "one-value allreduces while every host computes")
+    loaded = loaded_allreduce_s(d, 10 * args.steps + 3)
     res = {"rank": rank, "size": hvd.size(), "profile": prof, "framework_cpu": framework,
            "straggler_s": straggler, "half_sum": half_sum,
-           "allreduce1_s": statistics.median(times[3:])}
+           "allreduce1_s": statistics.median(times[3:]), "allreduce1_loaded_s": loaded}
     with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
         json.dump(res, f)
     return 0
@@ -121,6 +124,26 @@ def straggler_s(dilation, rounds, burst_s=0.01):
         ts = hvd.allgather(torch.tensor([t], dtype=torch.float64), name="straggler.t").tolist()
         leads.append(max(ts) - statistics.median(ts))
     return statistics.median(leads)
+
+
+def loaded_allreduce_s(dilation, rounds):
+    """The median real-host seconds of a one-value allreduce among the hosts while each host's
+    CPU is busy with other work, as during a backward pass: a busy loop in a child process (in
+    the host's cgroup, so under its quota; a process, not a thread, so that it holds no GIL the
+    waits need) runs for as long as the allreduces take. On a host with one core, Horovod's
+    background thread then waits for the core at its messages; the model charges this fixed cost
+    (``collective_loaded_s``) to the collectives that start before the backward pass ends. The
+    first 3 of ``rounds`` are not counted."""
+    import subprocess
+    import torch
+    busy = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+    try:
+        one = torch.zeros(1)
+        times = [timed_allreduce(one, "calibrate.loaded", dilation)[0] for _ in range(rounds)]
+    finally:
+        busy.kill()
+        busy.wait()
+    return statistics.median(times[3:])
 
 
 HALF_SUM_VALUES = 1 << 21

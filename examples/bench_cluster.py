@@ -248,19 +248,23 @@ def calibrate_hosts(c, args, rate, log):
                                   name="cluster-%dh-%s" % (c.n_hosts, rate),
                                   framework_cpu=[r["framework_cpu"] for r in ranks], rate=rate,
                                   straggler_s=ranks[0]["straggler_s"],
-                                  half_sum=[r["half_sum"] for r in ranks])
+                                  half_sum=[r["half_sum"] for r in ranks],
+                                  allreduce1_loaded_s=statistics.median(
+                                      r["allreduce1_loaded_s"] for r in ranks))
     prof["cluster"] = {"hosts": c.n_hosts, "rate": rate, "cpus_per_host": c.cpus_per_host,
-                       "dilation": d, "allreduce1_per_host_s": [r["allreduce1_s"] for r in ranks]}
+                       "dilation": d, "allreduce1_per_host_s": [r["allreduce1_s"] for r in ranks],
+                       "allreduce1_loaded_per_host_s": [r["allreduce1_loaded_s"] for r in ranks]}
     path = os.path.join(args.out, "profile-%dh-%s.json" % (c.n_hosts, rate))
     with open(path, "w") as f:
         json.dump(prof, f, indent=1, sort_keys=True)
     enc = prof["codec"]
     fw = prof["framework_s"]
     print("  calibrated %d hosts in %.0f s: one-value allreduce %.2f ms real-host "
-          "(collective_s %.2f ms), slowest host's lead %.2f ms, message %.1f us, float16 sum %.2f "
+          "(collective_s %.2f ms; %.2f ms while the hosts compute), slowest host's lead %.2f ms, message %.1f us, float16 sum %.2f "
           "ns/value (NumPy's %.2f), encode %.2f ns/value, \"auto\" encode %.2f "
           "ns/value; framework CPU per step + per tensor: %s; wrote %s" % (
               c.n_hosts, res.seconds, 1e3 * one, 1e3 * prof["collective_s"],
+              1e3 * prof["collective_loaded_s"],
               1e3 * prof["straggler_s"], 1e6 * prof["message_s"],
               1e9 * prof["sum_fp16_s"], 1e9 * prof["sum_fp16_proxy_s"],
               1e9 * enc["encode"][2], 1e9 * enc["encode_auto"][2],

@@ -10,7 +10,8 @@ from .calibrate import refit
 
 
 def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluster",
-                 framework_cpu=None, rate="1gbit", straggler_s=None, half_sum=None):
+                 framework_cpu=None, rate="1gbit", straggler_s=None, half_sum=None,
+                 allreduce1_loaded_s=None):
     """One profile for the hosts of a virtual cluster, from each host's
     :func:`~horovod_twobit.calibrate.calibrate` with ``clock="wall"`` (run on every host at
     once): per codec point, per-value cost and message cost, the median over hosts, refitted;
@@ -24,7 +25,10 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
     together (``examples._cluster_calibrate.straggler_s``), as measured; given ``half_sum`` (each
     host's ``examples._cluster_calibrate.half_sum_s``), ``sum_fp16_s`` from Horovod's own float16
     sum (:func:`half_sum_cost`) in place of the NumPy proxy, which stays as
-    ``sum_fp16_proxy_s``."""
+    ``sum_fp16_proxy_s``; given ``allreduce1_loaded_s``, the same one-value allreduce while every
+    host's CPU is busy (``examples._cluster_calibrate.loaded_allreduce_s``),
+    ``collective_loaded_s`` likewise: the fixed cost of a collective that runs during the
+    backward pass."""
     import math
     import statistics
     profs = list(host_profiles)
@@ -46,6 +50,10 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
     messages = 2 * math.ceil(math.log2(N)) + 2 * (N - 1) if N > 1 else 0
     prof["collective_s"] = max(0.0, allreduce1_s - cycle_s / 2 - messages * prof["message_s"])
     prof["allreduce1_s"] = allreduce1_s
+    if allreduce1_loaded_s is not None:
+        prof["collective_loaded_s"] = max(
+            0.0, allreduce1_loaded_s - cycle_s / 2 - messages * prof["message_s"])
+        prof["allreduce1_loaded_s"] = allreduce1_loaded_s
     if straggler_s is not None:
         prof["straggler_s"] = max(0.0, float(straggler_s))
     if half_sum and N > 1:  # one host sums nothing: the proxy stays

@@ -28,7 +28,10 @@ What one step is made of, on one host (the ranks are alike):
   formats (:mod:`horovod_twobit.scatter_wire`, the allgather payload of
   :mod:`horovod_twobit.layout`); the ring allreduce adds its reduction (per value, for float32
   and float16 sums) and the fusion buffer's copies. The scatter exchange's owner
-  reduction sits between its alltoall and its allgather.
+  reduction sits between its alltoall and its allgather. On a host of one core (a ``serial``
+  profile measured with ``collective_loaded_s``), a collective that runs while backward computes
+  progresses at ``collective_s / collective_loaded_s`` of its pace (:func:`loaded_rate`): the
+  background thread waits for the core at its messages.
 * **decode** (the decode-sum of N payloads and the residual update) on the training thread, bucket
   by bucket as ``synchronize`` reaches them, overlapping the collectives still running.
 * the optimizer's update of every value.
@@ -378,6 +381,7 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
     backward_end = t + sum(per_value_s(i) for i in range(len(sizes)) if i not in done)
     # background thread: cycles, fusion, one collective at a time
     free, wire_s, cpu_coll = 0.0, 0.0, 0.0
+    busy_rate = loaded_rate(prof)
     pending = [(u.ready, k, u, 1) for k, u in enumerate(order)]
     while pending:
         pending.sort(key=lambda x: (x[0], x[1]))
@@ -401,7 +405,7 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
                             len(batch))
         if kind == "allreduce":  # the reduction and the copies: CPU work
             cpu_coll += dur - (2 * (N - 1) * wire.alpha + 2.0 * (N - 1) / N * nbytes * wire.beta)
-        end = start + wire.fixed + dur
+        end = _collective_end(start, wire.fixed + dur, backward_end, busy_rate)
         wire_s += wire.fixed + dur
         free = end
         for _, k, u, phase in batch:
@@ -429,6 +433,29 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
         "compute": compute_s, "codec": codec, "exchange": wire_s, "optimizer": opt,
         "framework": framework, "bytes_sent": sent, "cpu": cpu, "bound": bound,
         "collectives": len(units)})
+
+
+def loaded_rate(prof):
+    """How fast a collective progresses while the host's one core runs the backward pass, as a
+    share of its pace on an idle host: the profile's ``collective_s`` over ``collective_loaded_s``
+    (a one-value allreduce timed on idle hosts and on hosts whose core is busy,
+    ``examples/bench_cluster.py --calibrate``). 1 (no slowdown) unless the profile is ``serial``
+    and has both."""
+    idle, loaded = prof.get("collective_s"), prof.get("collective_loaded_s")
+    if not prof.get("serial") or not idle or not loaded or loaded <= idle:
+        return 1.0
+    return idle / loaded
+
+
+def _collective_end(start, seconds, backward_end, rate):
+    """When a collective of ``seconds`` (on an idle host) started at ``start`` ends, if it
+    progresses at ``rate`` of that pace until ``backward_end`` and at full pace after."""
+    if rate >= 1.0 or start >= backward_end:
+        return start + seconds
+    before = (backward_end - start) * rate
+    if before >= seconds:
+        return start + seconds / rate
+    return backward_end + seconds - before
 
 
 def straggler_s(prof, nranks):

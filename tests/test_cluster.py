@@ -353,6 +353,10 @@ def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
                                                                prof["sum_fp32_s"])
     assert prof["sum_fp16_proxy_s"] > 0
     assert 0 <= prof["straggler_s"] < 1.0
+    # the same allreduce while every host's core is busy: it waits for the core
+    assert len(prof["cluster"]["allreduce1_loaded_per_host_s"]) == 2
+    assert prof["allreduce1_loaded_s"] > prof["allreduce1_s"]
+    assert prof["collective_loaded_s"] > prof["collective_s"]
     assert all(v[0] >= 0 and v[1] >= 0 for v in prof["framework_s"].values())
     for k in steptime.CODEC_KEYS:
         assert steptime.codec_s(prof, k, 65536, 2) > 0

@@ -174,3 +174,34 @@ def test_the_slowest_host_is_waited_for_once_per_step():
         assert got.parts["cpu"] == pytest.approx(want.parts["cpu"])  # waiting, not CPU
     assert steptime.straggler_s(prof, 1) == 0.0  # one host waits for no other
     assert "straggler_s" not in cluster_profile.from_cluster([_host(1.0)], 2e-3, 4)
+
+
+def test_a_collective_during_backward_waits_for_the_core():
+    """On a one-core host a collective that runs while backward computes progresses at
+    collective_s / collective_loaded_s of its pace (both from one-value allreduces, idle and with
+    the core busy), and at full pace once backward ends."""
+    prof = cluster_profile.from_cluster([_host(1.0)], 2e-3, 4, cycle_s=1e-3,
+                                        allreduce1_loaded_s=20e-3)
+    extra = 0.5e-3 + 10 * 1e-5  # half a cycle and 10 messages, as for collective_s
+    assert prof["collective_loaded_s"] == pytest.approx(20e-3 - extra)
+    assert prof["allreduce1_loaded_s"] == 20e-3
+    rate = steptime.loaded_rate(prof)
+    assert rate == pytest.approx((2e-3 - extra) / (20e-3 - extra))
+    # all of it after backward, all of it before, and across the end of backward
+    assert steptime._collective_end(5.0, 1.0, 4.0, 0.25) == 6.0
+    assert steptime._collective_end(0.0, 1.0, 8.0, 0.25) == 4.0
+    assert steptime._collective_end(2.0, 1.0, 4.0, 0.25) == pytest.approx(4.5)
+    # no slowdown without the loaded figure, on a host that is not one core, or measured faster
+    assert "collective_loaded_s" not in cluster_profile.from_cluster([_host(1.0)], 2e-3, 4)
+    assert steptime.loaded_rate(dict(prof, serial=False)) == 1.0
+    assert steptime.loaded_rate(dict(prof, collective_loaded_s=1e-4)) == 1.0
+    # the model: Horovod's per-tensor allreduces run during backward and end later; one TwoBit
+    # bucket, ready when backward ends, does not
+    bare = dict(prof)
+    del bare["collective_loaded_s"]
+    sizes = [1 << 14] * 40
+    for method, slower in (("none", True), ("twobit", False)):
+        got = steptime.predict(sizes, method, 4, "1gbit", 0.05, prof, latency_s=0.0)
+        want = steptime.predict(sizes, method, 4, "1gbit", 0.05, bare, latency_s=0.0)
+        assert (got.step_s > want.step_s + 1e-3) == slower, method
+        assert got.parts["cpu"] == pytest.approx(want.parts["cpu"])  # waiting, not CPU
