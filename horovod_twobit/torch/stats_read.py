@@ -56,10 +56,14 @@ def bucket_norms(bucket):
 
 
 def _host(scalars):
-    """Python floats of 0-d tensors, with one transfer per device."""
+    """Python floats of 0-d tensors: on the CPU each read as it is, elsewhere with one transfer
+    per device."""
     out, by_dev = [None] * len(scalars), {}
     for i, x in enumerate(scalars):
-        by_dev.setdefault(x.device, []).append(i)
+        if x.device.type == "cpu":
+            out[i] = x.item()
+        else:
+            by_dev.setdefault(x.device, []).append(i)
     for idx in by_dev.values():
         got = torch.stack([scalars[i].to(torch.float64) for i in idx]).tolist()
         for i, v in zip(idx, got):
