@@ -61,7 +61,9 @@ def owner_encode(pieces, nwords, residual, S, bad, words=None):
         flat[s:s + length] = 0.0
         x[s:min(s + length, n)] = residual[s:s + length]
     residual.copy_(xw.addcmul_(q, a_w, value=-1).view(-1)[:n])  # k * a is exact: one rounding
-    u = torch.zeros(x.numel(), dtype=torch.int32, device=x.device)  # 0 past the chunk's words
+    # x is done with: its buffer takes the codes (its tail past the chunk's words is still 0.0,
+    # whose bits are int32 0), instead of a new tensor of the chunk's size on every step
+    u = x.view(torch.int32)
     u[:16 * nwords].copy_(flat.add_(L))
     return torch.cat([a.view(torch.int32), pack_counts(u)])
 
