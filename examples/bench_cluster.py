@@ -220,7 +220,8 @@ def run_job(c, args, model, methods, rate, log):
 
 def calibrate_hosts(c, args, rate, log):
     """Every host's codec rates measured at once inside the cluster, in real-host seconds, and
-    a one-value allreduce among them (``examples._cluster_calibrate.calibrate_worker``): the
+    a one-value allreduce among them, idle and with their cores busy
+    (``examples._cluster_calibrate.calibrate_worker``): the
     step-time model's profile of this cluster's hosts
     (``horovod_twobit.cluster_profile.from_cluster``), or None where the job failed."""
     from horovod_twobit import cluster_profile
@@ -514,7 +515,8 @@ def parser():
                          "rate/model/method, the others stay")
     ap.add_argument("--calibrate", action="store_true",
                     help="first, on every cluster (rate), measure the hosts' codec rates and a "
-                         "one-value allreduce in real-host seconds: the step-time model's profile "
+                         "one-value allreduce (idle, and with the hosts' cores busy) in real-host "
+                         "seconds: the step-time model's profile "
                          "of these hosts (<out>/profile-<N>h-<rate>.json, and \"profiles\" in "
                          "bench_cluster.json, which `advise validate` uses); --models '' runs "
                          "only this")
