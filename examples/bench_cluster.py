@@ -261,9 +261,9 @@ def calibrate_hosts(c, args, rate, log):
     enc = prof["codec"]
     fw = prof["framework_s"]
     print("  calibrated %d hosts in %.0f s: one-value allreduce %.2f ms real-host "
-          "(collective_s %.2f ms; %.2f ms while the hosts compute), slowest host's lead %.2f ms, message %.1f us, float16 sum %.2f "
-          "ns/value (NumPy's %.2f), encode %.2f ns/value, \"auto\" encode %.2f "
-          "ns/value; framework CPU per step + per tensor: %s; wrote %s" % (
+          "(collective_s %.2f ms; %.2f ms while the hosts compute), slowest host's lead %.2f ms, "
+          "message %.1f us, float16 sum %.2f ns/value (NumPy's %.2f), encode %.2f ns/value, "
+          "\"auto\" encode %.2f ns/value; framework CPU per step + per tensor: %s; wrote %s" % (
               c.n_hosts, res.seconds, 1e3 * one, 1e3 * prof["collective_s"],
               1e3 * prof["collective_loaded_s"],
               1e3 * prof["straggler_s"], 1e6 * prof["message_s"],
