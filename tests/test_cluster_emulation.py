@@ -229,8 +229,9 @@ def test_validation_a_cpu_quota_slows_a_busy_host_by_its_fraction():
     takes 4x as long at 0.25 cores as at 1 core (+-10%). Each host gets its quota however busy the
     machine is (1 s of CPU per s at 1 core, 0.25 at 0.25 cores); what other load can still change
     is the speed of the cores themselves (a VM's cores slow down when their neighbours work): an
-    attempt whose task took more than 10 % more or less CPU time in one run than in the other is
-    repeated, and when every one did, the test is skipped with the figures."""
+    attempt whose task took more than 5 % more or less CPU time in one run than in the other is
+    repeated (a speed change near 10 % alone moves the ratio to the edge of its band), and when
+    every one did, the test is skipped with the figures."""
     attempts = []
     with cluster.VirtualCluster(2, None, iface="hvdtq", subnet=SUBNET, cpus_per_host=1) as c:
         n = 3_000_000
@@ -245,7 +246,7 @@ def test_validation_a_cpu_quota_slows_a_busy_host_by_its_fraction():
             assert w1 / c1 < 1.1 and 3.6 < w4 / c4 < 4.4, attempts
             if 3.6 < w4 / w1 < 4.4:
                 break
-            if 0.9 < c4 / c1 < 1.1:  # the cores ran at one speed and it still missed
+            if 0.95 < c4 / c1 < 1.05:  # the cores ran at one speed and it still missed
                 pytest.fail("\n".join(attempts))
     print("\n".join(attempts))
     if not 3.6 < w4 / w1 < 4.4:
