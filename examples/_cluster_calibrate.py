@@ -43,13 +43,12 @@ def calibrate_worker(args):
     progress(rank, "Gloo's float16 sum against float32's (same bytes)")
     half_sum = half_sum_s(d, max(3, args.steps))
     progress(rank, "one-value allreduces")
-    one = torch.zeros(1)
-    times = [timed_allreduce(one, "calibrate.one", d)[0] for _ in range(10 * args.steps + 3)]
+    idle = one_value_allreduce_s(d, 10 * args.steps + 3, "calibrate.one")
     progress(rank, "one-value allreduces while every host computes")
     loaded = loaded_allreduce_s(d, 10 * args.steps + 3)
     res = {"rank": rank, "size": hvd.size(), "profile": prof, "framework_cpu": framework,
            "straggler_s": straggler, "half_sum": half_sum,
-           "allreduce1_s": statistics.median(times[3:]), "allreduce1_loaded_s": loaded}
+           "allreduce1_s": idle, "allreduce1_loaded_s": loaded}
     with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
         json.dump(res, f)
     return 0
@@ -135,14 +134,20 @@ def loaded_allreduce_s(dilation, rounds):
     (``collective_loaded_s``) to the collectives that start before the backward pass ends. The
     first 3 of ``rounds`` are not counted."""
     import subprocess
-    import torch
     busy = subprocess.Popen(["sh", "-c", "while :; do :; done"])
     try:
-        one = torch.zeros(1)
-        times = [timed_allreduce(one, "calibrate.loaded", dilation)[0] for _ in range(rounds)]
+        return one_value_allreduce_s(dilation, rounds, "calibrate.loaded")
     finally:
         busy.kill()
         busy.wait()
+
+
+def one_value_allreduce_s(dilation, rounds, name):
+    """The median real-host seconds of ``rounds`` one-value allreduces among the hosts, the
+    first 3 not counted."""
+    import torch
+    one = torch.zeros(1)
+    times = [timed_allreduce(one, name, dilation)[0] for _ in range(rounds)]
     return statistics.median(times[3:])
 
 

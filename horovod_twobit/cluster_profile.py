@@ -48,11 +48,11 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
             prof[k] = statistics.median(p[k] for p in profs)
     N = int(nranks)
     messages = 2 * math.ceil(math.log2(N)) + 2 * (N - 1) if N > 1 else 0
-    prof["collective_s"] = max(0.0, allreduce1_s - cycle_s / 2 - messages * prof["message_s"])
+    fixed = lambda one: max(0.0, one - cycle_s / 2 - messages * prof["message_s"])  # noqa: E731
+    prof["collective_s"] = fixed(allreduce1_s)
     prof["allreduce1_s"] = allreduce1_s
     if allreduce1_loaded_s is not None:
-        prof["collective_loaded_s"] = max(
-            0.0, allreduce1_loaded_s - cycle_s / 2 - messages * prof["message_s"])
+        prof["collective_loaded_s"] = fixed(allreduce1_loaded_s)
         prof["allreduce1_loaded_s"] = allreduce1_loaded_s
     if straggler_s is not None:
         prof["straggler_s"] = max(0.0, float(straggler_s))
