@@ -14,6 +14,18 @@ from horovod_twobit.torch import codec, scatter_codec
 from test_torch_buckets import _grads, encode_all
 
 SIZES = [1, 15, 16, 17, 40, 480, 1000, 9216, 70003]
+# "cpu, late division": the GPU's order of work on the CPU (compiled passes without the division,
+# then a correctly rounded one: kernels._late_division)
+DEVICES = ["cpu", "cpu, late division", pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
+def _device(monkeypatch, device):
+    from horovod_twobit.torch import kernels
+    if device == "cpu, late division":
+        monkeypatch.setattr(kernels, "_late_division",
+                            lambda dev, n: n >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled)
+    return device.split(",")[0]
 
 
 def exchange(layout, rs_, owners, grads, threshold, rule="lsq", divisor=None, scale=1.0,
@@ -46,12 +58,15 @@ def exchange(layout, rs_, owners, grads, threshold, rule="lsq", divisor=None, sc
 @pytest.mark.parametrize("threshold,block,blocks", [(0.5, None, None), (0.05, None, None),
                                                     ("auto", None, None), ("auto", 16, 4)])
 @pytest.mark.parametrize("nranks", [2, 3, 4])
-def test_bucket_matches_reference(threshold, block, blocks, nranks):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bucket_matches_reference(monkeypatch, threshold, block, blocks, nranks, device):
+    device = _device(monkeypatch, device)
     auto = threshold == "auto"
     layout = Layout(SIZES, auto, *wire.validate_blocks(threshold, block, blocks))
     chunks = sw.Chunks(layout, nranks)
-    rs_ = [torch.zeros(layout.values) for _ in range(nranks)]
-    owners = [torch.zeros(chunks.values(c)) if auto else None for c in range(nranks)]
+    rs_ = [torch.zeros(layout.values, device=device) for _ in range(nranks)]
+    owners = [torch.zeros(chunks.values(c), device=device) if auto else None
+              for c in range(nranks)]
     w = ref.Workers(nranks, threshold, block=block, blocks=blocks, exchange="scatter")
     names = ["t%d" % i for i in range(len(SIZES))]
     sent = 0
@@ -69,11 +84,13 @@ def check_step(w, names, layout, want, outs, rs_, owners, step):
     the reference's bit for bit."""
     for i, (n, s) in enumerate(zip(layout.numels, layout.starts)):
         for rank in range(len(outs)):
-            np.testing.assert_array_equal(outs[rank][s:s + n].numpy(), want[i],
+            np.testing.assert_array_equal(outs[rank][s:s + n].cpu().numpy(), want[i],
                                           err_msg="rank %d tensor %d step %d" % (rank, i, step))
-            np.testing.assert_array_equal(rs_[rank][s:s + n].numpy(), w.residuals[rank][names[i]])
+            np.testing.assert_array_equal(rs_[rank][s:s + n].cpu().numpy(),
+                                          w.residuals[rank][names[i]])
     for c, owner in enumerate(owners or []):
-        np.testing.assert_array_equal(owner.numpy(), w.owner_residuals[c][sw.owner_key(names)])
+        np.testing.assert_array_equal(owner.cpu().numpy(),
+                                      w.owner_residuals[c][sw.owner_key(names)])
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 4])
@@ -120,12 +137,15 @@ def test_payload_bytes():
 
 @pytest.mark.parametrize("threshold", [0.5, 0.05, "auto"])
 @pytest.mark.parametrize("big,in_place", [(False, False), (True, False), (True, True)])
-def test_nonfinite_member_is_nan_everywhere_and_keeps_every_residual(threshold, big, in_place):
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_member_is_nan_everywhere_and_keeps_every_residual(monkeypatch, threshold, big,
+                                                                     in_place, device):
     """Step 1 has an Inf in one rank's member: NaN for it on every rank, no residual of it
     changed. ``big``: owners' chunks of at least COMPILE_MIN_NUMEL values, whose commit and decode
     run as one compiled pass when no member held NaN or Inf (into the output, or over the
     gradient itself when ``in_place``)."""
     from horovod_twobit.torch import kernels
+    device = _device(monkeypatch, device)
     nranks = 3
     sizes = [40, 17, 300] if not big else [40, kernels.COMPILE_MIN_NUMEL * nranks + 7,
                                             kernels.COMPILE_MIN_NUMEL + 3]
@@ -133,16 +153,16 @@ def test_nonfinite_member_is_nan_everywhere_and_keeps_every_residual(threshold, 
     layout = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold))
     chunks = sw.Chunks(layout, nranks)
     assert big == (min(chunks.values(c) for c in range(nranks)) >= kernels.COMPILE_MIN_NUMEL)
-    rs_ = [torch.zeros(layout.values) for _ in range(nranks)]
-    owners = [torch.zeros(chunks.values(c)) for c in range(nranks)]
+    rs_ = [torch.zeros(layout.values, device=device) for _ in range(nranks)]
+    owners = [torch.zeros(chunks.values(c), device=device) for c in range(nranks)]
     w = ref.Workers(nranks, threshold, exchange="scatter")
     for step in range(3):
         grads = _grads(sizes, nranks, step)
         if step == 1:
             grads[1][2][5] = np.inf
-        outs, _, _ = exchange(layout, rs_, owners, grads, threshold, divisor=nranks, scale=0.5,
+        outs, _, _ = exchange(layout, rs_, owners, grads, threshold, divisor=nranks, scale=0.7,
                               in_place=in_place)
-        want = w.bucket(names, grads, postscale=0.5)
+        want = w.bucket(names, grads, postscale=0.7)
         check_step(w, names, layout, want, outs, rs_, owners if threshold == "auto" else None,
                    step)
         assert np.isnan(want[2]).all() == (step == 1) and not np.isnan(want[1]).any()
@@ -176,21 +196,25 @@ def test_count_planes_match_reference():
 
 
 @pytest.mark.parametrize("n,size", [(2, 70001), (8, 65536 + 32 * 7 + 5), (100, 100003)])
-def test_compiled_count_planes_match_reference(n, size):
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_count_planes_match_reference(monkeypatch, n, size, device):
     """From COMPILE_MIN_NUMEL values the planes are packed, and the counts scaled, by compiled
     bodies: the same words as the reference, and the same floats as the eager path's
     (count - n) * t / divisor * scale."""
     from horovod_twobit.torch import kernels
+    device = _device(monkeypatch, device)
     assert size >= kernels.COMPILE_MIN_NUMEL
     c = np.random.default_rng(n).integers(-n, n + 1, size)
     bits = sw.count_bits(n)
-    words = scatter_codec.pack_counts(torch.from_numpy(c + n).to(torch.int32), bits)
+    words = scatter_codec.pack_counts(torch.from_numpy(c + n).to(torch.int32).to(device), bits)
     assert words.tolist() == rs.pack_counts(c, n).tolist()
     t, div, scale = (torch.tensor(x, dtype=torch.float32) for x in (0.05, float(n), 0.7))
-    got = scatter_codec.count_values(words, size, bits, n, t, div, scale)
+    got = scatter_codec.count_values(words, size, bits, n, t.to(device), div.to(device),
+                                     scale.to(device))
+    words = words.cpu()  # the eager path on the CPU: correctly rounded, as the reference
     want = scatter_codec.unpack_counts(words, size, bits, n) * t / div * scale
     assert got.shape == (size,)
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
     np.testing.assert_array_equal(scatter_codec.unpack_counts(words, size, bits, n).numpy(),
                                   c.astype(np.float32))
 

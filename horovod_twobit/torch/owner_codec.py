@@ -32,7 +32,8 @@ def scales(pieces, words, nwords, x):
         m = torch.maximum(torch.stack(maxs), -torch.stack(mins))
     else:
         m = torch.segment_reduce(x.abs(), "max", lengths=16 * words, initial=0.0)
-    a = (m / sw.OWNER_LEVELS).clamp_min_(_FLT_MIN)
+    # / a tensor on m's device: CUDA multiplies by the reciprocal of a number (another rounding)
+    a = (m / m.new_full((), float(sw.OWNER_LEVELS))).clamp_min_(_FLT_MIN)
     return (a.view(torch.int32) & _LOW_BITS).view(torch.float32)
 
 
@@ -81,7 +82,8 @@ def _values_body(planes, a_w, nwords, div, sc):
     for j in range(1, planes.shape[0]):
         u = u | (((planes[j].unsqueeze(-1) >> ks) & 1) << j)
     k = u.reshape(-1)[:16 * nwords].view(nwords, 16).to(torch.float32) - sw.OWNER_LEVELS
-    return (k * a_w / div * sc).reshape(-1)
+    x = k * a_w
+    return (x if div is None else x / div * sc).reshape(-1)
 
 
 kernels._BODIES["owner_values"] = _values_body
@@ -99,4 +101,7 @@ def owner_values(body, pieces, nwords, nvalues, divisor, scale, words=None):
     a_w = torch.repeat_interleave(body[:k].view(torch.float32), words,
                                   output_size=nwords).unsqueeze(1)
     planes = body[k:].view(sw.OWNER_BITS, -1)
+    if kernels._late_division(body.device, nvalues):  # a GPU: the division correctly rounded
+        x = kernels._call("owner_values", nvalues, planes, a_w, nwords, None, None)
+        return x[:nvalues].div_(divisor).mul_(scale)
     return kernels._call("owner_values", nvalues, planes, a_w, nwords, divisor, scale)[:nvalues]

@@ -156,7 +156,8 @@ def _count_values_body(words, nranks, thr, div, sc):
     u = (words[0].unsqueeze(-1) >> ks) & 1
     for j in range(1, words.shape[0]):
         u = u | (((words[j].unsqueeze(-1) >> ks) & 1) << j)
-    return (u.reshape(-1).to(torch.float32) - nranks) * thr / div * sc
+    x = (u.reshape(-1).to(torch.float32) - nranks) * thr
+    return x if div is None else x / div * sc
 
 
 def _finish_counts_body(words, nranks, thr, div, sc, r, g, t, v, out):
@@ -208,6 +209,9 @@ def count_values(words, nvalues, bits, nranks, thr, div, sc):
     on one CPU thread: 88 ms, against 430 ms eagerly), else :func:`unpack_counts` and the same
     operations."""
     if nvalues >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled:
+        if kernels._late_division(words.device, nvalues):  # a GPU: the division correctly rounded
+            x = kernels._run("count_values", words.view(bits, -1), nranks, thr, None, None)
+            return x[:nvalues].div_(div).mul_(sc)
         return kernels._run("count_values", words.view(bits, -1), nranks, thr, div, sc)[:nvalues]
     return unpack_counts(words, nvalues, bits, nranks) * (thr[:nvalues] if thr.dim() else thr) / div * sc
 
@@ -226,7 +230,10 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
     if any(h is None or h.chunk != c for c, h in enumerate(heads)):
         raise wire.PayloadMismatchError("tensor %r: owners sent malformed reduced chunks" % names[0])
     spans = [(s, n) for s, n in zip(layout.starts, layout.numels)]
-    fused = not any(bad) and not layout.auto  # then each chunk's commit and decode share one pass
+    # then each chunk's commit and decode share one pass; not on a GPU, where the compiled pass
+    # could not divide correctly rounded (kernels._late_division)
+    late = any(kernels._late_division(dev, chunks.values(c)) for c in range(N))
+    fused = not any(bad) and not layout.auto and not late
     if not fused:  # the commit first, of the members that held no NaN or Inf (it reads g)
         for i, (s, n) in enumerate(spans):
             if not bad[i]:
