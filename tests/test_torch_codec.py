@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from horovod_twobit import reference as ref
+from horovod_twobit import wire
 from horovod_twobit.torch import decode, encode
 
 import sim
@@ -74,12 +75,16 @@ def test_cuda_matches_cpu():
     assert torch.equal(decode(w1, 100003, 0.5), decode(w2, 100003, 0.5).cpu())
 
 
-@pytest.mark.parametrize("chunk", [1 << 22, 48])
+@pytest.mark.parametrize("chunk", [1 << 22, 48, "one pass"])
 @pytest.mark.parametrize("path", ["eager", "compiled"])
 def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path, chunk):
-    """Both paths, with the packing done in one chunk or in many (48 values: 3 words each)."""
+    """Both paths, with the packing done in one chunk or in many (48 values: 3 words each), or
+    in one pass of whole words as on a GPU."""
     from horovod_twobit.torch import kernels
-    monkeypatch.setattr(kernels, "PACK_CHUNK", chunk)
+    if chunk == "one pass":
+        monkeypatch.setattr(kernels, "_one_pass", lambda device: True)
+    else:
+        monkeypatch.setattr(kernels, "PACK_CHUNK", chunk)
     monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
     monkeypatch.setattr(kernels, "_disabled", False)
     for n in (16, 1000, 4099):
@@ -94,6 +99,39 @@ def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path, chu
         got = kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5)
         want = ref.aggregate([ref.decode(w.numpy(), n, 0.1) for w in rows], "average", 0.5, 1.0)
         np.testing.assert_array_equal(got.numpy(), want)
+    assert not kernels._disabled, "compilation failed and fell back to eager"
+
+
+@pytest.mark.parametrize("way", ["chunks", "one pass", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("per_word", [False, True])
+def test_pack_words_and_word_flags(monkeypatch, way, per_word):
+    """kernels.pack from COMPILE_MIN_NUMEL values, in cache-sized chunks (a CPU) or in one pass
+    of whole words (a GPU): the reference's words for a threshold or one per word, the flag and
+    each word's NaN/Inf flag, r and g untouched; the partial last word included."""
+    from horovod_twobit.torch import kernels
+    if way != "cuda":  # a GPU packs in one pass anyway
+        monkeypatch.setattr(kernels, "_one_pass", lambda device: way == "one pass")
+    monkeypatch.setattr(kernels, "PACK_CHUNK", 1 << 16)
+    dev = "cuda" if way == "cuda" else "cpu"
+    n = 3 * (1 << 16) + 16 * 5 + 7
+    rng = np.random.default_rng(4)
+    g = rng.standard_normal(n).astype(np.float32)
+    r = (rng.standard_normal(n) * 0.3).astype(np.float32)
+    t = rng.uniform(0.2, 1.5, wire.num_words(n)).astype(np.float32) if per_word else 0.5
+    for bad in ([], [7, 160, 70001, n - 1], [n - 3]):  # 160: a word's first value
+        gb = g.copy()
+        gb[bad] = [np.nan, np.inf, -np.inf, np.nan][:len(bad)]
+        want = ref.pack(ref.quantize(gb, r.copy(), np.repeat(t, 16)[:n] if per_word else t))
+        G, R = torch.from_numpy(gb).to(dev), torch.from_numpy(r).to(dev)
+        flags = torch.ones(wire.num_words(n), dtype=torch.bool, device=dev)
+        words, flag = kernels.pack(R, G, torch.from_numpy(t).to(dev) if per_word else t,
+                                   word_flags=flags)
+        np.testing.assert_array_equal(words.cpu().numpy(), want)
+        assert bool(flag) == bool(bad)
+        assert sorted(torch.nonzero(flags).view(-1).tolist()) == sorted({i // 16 for i in bad})
+        assert torch.equal(R.cpu(), torch.from_numpy(r))
+        assert torch.equal(G.isnan().cpu(), torch.from_numpy(np.isnan(gb)))
     assert not kernels._disabled, "compilation failed and fell back to eager"
 
 

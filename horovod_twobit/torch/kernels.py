@@ -107,8 +107,26 @@ def _fn(name, key=None):
                 code = body.__code__.replace(co_name="%s_%s" % (body.__name__, key))
                 body = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__,
                                           body.__closure__)
-            fn = _compiled[(name, key)] = torch.compile(body, dynamic=True)
+            fn = _compiled[(name, key)] = torch.compile(
+                body, dynamic=True, options=_EXACT_DIVISION if exact_division() else None)
     return fn
+
+
+_EXACT_DIVISION = {"eager_numerics.division_rounding": True}
+_exact = []
+
+
+def exact_division():
+    """Whether this torch's Inductor can divide float32 correctly rounded in Triton (its option
+    ``eager_numerics.division_rounding``; Triton's own division is approximate, up to 2 ulp).
+    Every compilation then asks for it; on a CPU it changes nothing."""
+    if not _exact:
+        try:
+            from torch._inductor import config
+            _exact.append(all(k in config.get_config_copy() for k in _EXACT_DIVISION))
+        except Exception:  # no Inductor: no compiled path either
+            _exact.append(False)
+    return _exact[0]
 
 
 def _run(name, *args):
@@ -174,7 +192,25 @@ def _bytes_into_body(w, out):
     out.copy_(_bytes_body(w))
 
 
+def _words_into_body(r, g, t, shifts, out):
+    """One pass for (words, 16) views: each word's 16 codes of ternary(r + g), each shifted to
+    its place (wire.WORD_SHIFTS, disjoint bits: their int64 sum is their OR) and wrapped to int32,
+    written into ``out``; returns whether each word held NaN or Inf."""
+    x = r + g.to(torch.float32)
+    w = (_ternary_codes(x, t).to(torch.int64) << shifts).sum(-1)
+    out.copy_(torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32))
+    return _nonfinite(x, -1)
+
+
 _BODIES["bytes_into"] = _bytes_into_body
+_BODIES["words_into"] = _words_into_body
+
+
+def _one_pass(device):
+    """Whether :func:`pack` packs whole words in one compiled pass (a GPU: its codes pass and
+    packing pass cost a call each per chunk, and the calls, not the bytes, bound it) rather than
+    in cache-sized chunks of two passes (a CPU)."""
+    return device.type != "cpu"
 
 
 def pack(r, g, threshold, out=None, word_flags=None):
@@ -199,7 +235,16 @@ def pack(r, g, threshold, out=None, word_flags=None):
     m = n - n % wire.VALUES_PER_WORD
     per_word = word_flags is not None and not flags_on_host(g.device)
     flag = None
-    for a in range(0, m, PACK_CHUNK):
+    if m >= COMPILE_MIN_NUMEL and not _disabled and _one_pass(g.device):
+        w = m // 16
+        bad = _run("words_into", r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w),
+                   _shifts(g.device, torch.int64), words[:w])
+        if word_flags is not None:
+            word_flags[:w].copy_(bad)
+        flag, m_done = bad.any(), m
+    else:
+        m_done = 0
+    for a in range(m_done, m, PACK_CHUNK):
         b = min(m, a + PACK_CHUNK)
         # (words, 16) views against a 0-d threshold or a (words, 1) column of per-word ones
         rv, gv = r[a:b].view(-1, 16), g[a:b].view(-1, 16)
@@ -252,10 +297,10 @@ _SHIFTS = {}
 SHIFTS = list(wire.WORD_SHIFTS)
 
 
-def _shifts(device):
-    sh = _SHIFTS.get(device)
+def _shifts(device, dtype=torch.int32):
+    sh = _SHIFTS.get((device, dtype))
     if sh is None:
-        sh = _SHIFTS[device] = torch.tensor(SHIFTS, dtype=torch.int32, device=device)
+        sh = _SHIFTS[(device, dtype)] = torch.tensor(SHIFTS, dtype=dtype, device=device)
     return sh
 
 
@@ -309,10 +354,11 @@ def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
 
 
 def _late_division(device, numel):
-    """Whether the division by the number of ranks must run outside the compiled body: Triton
-    divides float32 approximately (up to 2 ulp), so on a GPU the compiled pass sums and an eager
-    division, correctly rounded, follows."""
-    return device.type == "cuda" and numel >= COMPILE_MIN_NUMEL and not _disabled
+    """Whether the division by the number of ranks must run outside the compiled body: on a GPU
+    where Inductor cannot divide correctly rounded (:func:`exact_division`), the compiled pass
+    sums and an eager division, correctly rounded, follows (two more passes over the result)."""
+    return (device.type == "cuda" and numel >= COMPILE_MIN_NUMEL and not _disabled
+            and not exact_division())
 
 
 def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, magnitude=None):
