@@ -6,7 +6,10 @@ through ``torch.compile`` (Inductor fuses each body into one vectorized loop on 
 that, or where compilation is unavailable or disabled (``HOROVOD_TWOBIT_COMPILE=0``), the same
 bodies run eagerly. Both paths give the same bits: the bodies use only exact float32 operations
 (add, compare, subtract a threshold, select, one division, one multiplication) whose results do
-not depend on fusion.
+not depend on fusion. (On a GPU, Triton's float32 division is approximate: compilations ask
+Inductor for a correctly rounded one where it offers it, else the division runs eagerly after
+the compiled pass, see :func:`_late_division`. On a GPU :func:`pack` also packs whole words in
+one pass rather than in cache-sized chunks of two.)
 
 Compiled graphs are dynamic in the tensor length, so Inductor compiles once per (function, dtype,
 device), never per step. The threshold and divisor travel as 0-d tensors, so a new value does not
