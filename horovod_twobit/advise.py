@@ -212,8 +212,8 @@ def main_calibrate(argv):
     p = argparse.ArgumentParser(prog="python -m horovod_twobit.advise calibrate",
                                 description="Measure this machine's codec rates (the project's "
                                             "PyTorch codec) and write a device profile.")
-    p.add_argument("--out", default=steptime.PROFILE_DIR + "/cpu.json")
-    p.add_argument("--name", default="cpu")
+    p.add_argument("--out", help="default: the profiles' folder, NAME.json")
+    p.add_argument("--name", help="default: cpu, or the device's kind (cuda)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: one core "
                                                           "per worker, as the emulation's hosts)")
     p.add_argument("--sizes", default="64K,256K,1M,4M,16M",
@@ -221,16 +221,22 @@ def main_calibrate(argv):
     p.add_argument("--ranks", default="2,4,8")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--eager", action="store_true", help="time the uncompiled codec")
-    p.add_argument("--clock", choices=calibrate.CLOCKS, default="cpu",
-                   help="cpu (default): CPU seconds of this process; wall: wall seconds / "
-                        "--dilation, for a virtual cluster's host (examples/bench_cluster.py "
-                        "--calibrate runs it on every host)")
+    p.add_argument("--device", default="cpu",
+                   help="where the codec's tensors live: cpu (default) or cuda (a GPU host; "
+                        "times in wall seconds)")
+    p.add_argument("--clock", choices=calibrate.CLOCKS,
+                   help="cpu (the default on a CPU): CPU seconds of this process; wall (the "
+                        "default on a GPU): wall seconds / --dilation, also for a virtual "
+                        "cluster's host (examples/bench_cluster.py --calibrate runs it on every host)")
     p.add_argument("--dilation", type=float, default=1.0)
     args = p.parse_args(argv)
+    args.name = args.name or args.device.split(":")[0]
+    args.out = args.out or "%s/%s.json" % (steptime.PROFILE_DIR, args.name)
     sizes = [_binary(s) for s in args.sizes.split(",")]
     prof = calibrate.calibrate(args.out, sizes=sizes, ranks=[int(r) for r in args.ranks.split(",")],
                                threads=args.threads, compiled=not args.eager, reps=args.reps,
-                               name=args.name, clock=args.clock, dilation=args.dilation)
+                               name=args.name, dilation=args.dilation, device=args.device,
+                               clock=args.clock or ("cpu" if args.device == "cpu" else "wall"))
     print("wrote %s" % args.out)
     for k in steptime.CODEC_KEYS:
         c0, c1, a, b = prof["codec"][k]

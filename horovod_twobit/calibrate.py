@@ -16,7 +16,7 @@ from .steptime import CODEC_KEYS
 
 def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ranks=(2, 4, 8),
               threads=1, compiled=True,
-              reps=5, name="cpu", clock="cpu", dilation=1.0, min_wall_s=0.25):
+              reps=5, name="cpu", clock="cpu", dilation=1.0, min_wall_s=0.25, device="cpu"):
     """Measures this machine's codec rates with the project's own codec functions (PyTorch,
     ``threads`` threads, the compiled path unless ``compiled=False``; the ones
     ``horovod_twobit.benchmarks.codec`` times, plus the "auto" and scatter ones) and the costs the
@@ -29,11 +29,23 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ra
     divided by ``dilation``: inside a virtual cluster's host (a CPU quota, time dilation D, see
     docs/emulation.md) that is the real-host second of the host being stood for, its quota's
     gaps, its neighbours' share of the caches and the timer's granularity included; each reading
-    then spans at least ``min_wall_s`` of wall time (:class:`_Timer`)."""
-    timer = _Timer(clock, dilation, min_wall_s)
+    then spans at least ``min_wall_s`` of wall time (:class:`_Timer`).
+
+    ``device``: where the codec's tensors live ("cuda" on a GPU host, with ``clock="wall"``: each
+    reading waits for the device). A GPU's profile is not ``serial``: its codec does not share
+    a core with the host's collectives. The network figures are the host's TCP either way."""
     import platform
     import torch
     from .torch import kernels
+    device = torch.device(device)
+    if device.type != "cpu" and clock == "cpu":
+        raise ValueError("a %s device's codec runs outside this process's CPU time: calibrate "
+                         "it with clock=\"wall\" (--clock wall)" % device.type)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("this torch sees no CUDA device (torch.cuda.is_available() is False): "
+                         "calibrate on the GPU host with a CUDA build of torch, or with "
+                         "--device cpu")
+    timer = _Timer(clock, dilation, min_wall_s, device)
     torch.set_num_threads(threads)
     old = kernels.COMPILE_MIN_NUMEL
     kernels.COMPILE_MIN_NUMEL = 0 if compiled else 1 << 62
@@ -41,20 +53,24 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ra
         points = {k: [] for k in CODEC_KEYS}
         for n in sizes:
             for N in ranks:
-                for key, secs in _time_codec(int(n), int(N), reps, timer).items():
+                for key, secs in _time_codec(int(n), int(N), reps, timer, device).items():
                     points[key].append((int(n), int(N), secs))
         codec = {k: _fit(v) for k, v in points.items()}
         by_size = {"sizes": sorted({int(n) for n in sizes}),
                    "keys": {k: _fit_by_size(v) for k, v in points.items()}}
-        per = _time_per_value(1 << 22, reps, timer)
+        per = _time_per_value(1 << 22, reps, timer, device)
     finally:
         kernels.COMPILE_MIN_NUMEL = old
-    prof = {"name": name, "kind": "measured", "serial": True,
+    gpu = device.type != "cpu"
+    prof = {"name": name, "kind": "measured", "serial": not gpu,
             "source": "python -m horovod_twobit.advise calibrate on %s (%s, %d thread(s), %s "
-                      "codec, torch %s, %s)" % (platform.node() or "?", _cpu_name(), threads,
+                      "codec, torch %s, %s)" % (platform.node() or "?",
+                                               torch.cuda.get_device_name(device) if gpu
+                                               else _cpu_name(), threads,
                                                "compiled" if compiled else "eager",
                                                torch.__version__, _clock_name(clock, dilation)),
-            "note": "one host = one core doing compute, codec and the exchange's CPU work",
+            "note": ("the codec on one %s device; the network figures are its host's TCP" % device.type
+                     if gpu else "one host = one core doing compute, codec and the exchange's CPU work"),
             "codec": codec, "codec_by_size": by_size, "points": points}
     prof.update(per)
     prof.update(_time_network(nbytes=(64 << 20) if clock == "cpu" else (256 << 20), timer=timer,
@@ -86,7 +102,7 @@ class _Timer:
     the quota's period can run entirely in one period's share at a whole core's speed, and only
     over many periods does wall time / D stand for the real host's seconds."""
 
-    def __init__(self, clock, dilation=1.0, min_wall_s=0.25):
+    def __init__(self, clock, dilation=1.0, min_wall_s=0.25, device=None):
         import time
         if clock not in CLOCKS:
             raise ValueError("clock must be one of %s, got %r" % (", ".join(CLOCKS), clock))
@@ -98,6 +114,12 @@ class _Timer:
         else:
             self.now = lambda: time.perf_counter() / self.dilation
             self.min_s = min_wall_s / self.dilation
+        self.device = device  # a GPU: each reading waits for its work (see sync)
+
+    def sync(self):
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize(self.device)
 
     def __call__(self):
         return self.now()
@@ -118,13 +140,16 @@ def _median_time(fn, reps, timer=None):
     import time
     timer = timer or time.process_time
     min_s = getattr(timer, "min_s", 0.0)
+    sync = getattr(timer, "sync", lambda: None)
     fn()
+    sync()
     ts = []
     for _ in range(reps):
         t0, calls = timer(), 0
         while True:
             fn()
             calls += 1
+            sync()
             dt = timer() - t0
             if dt >= min_s:
                 break
@@ -132,9 +157,9 @@ def _median_time(fn, reps, timer=None):
     return statistics.median(ts)
 
 
-def _time_codec(n, N, reps, timer=None):
+def _time_codec(n, N, reps, timer=None, device="cpu"):
     """Seconds of each codec call on one tensor of n values among N ranks (the other ranks'
-    payloads are copies of this one's)."""
+    payloads are copies of this one's), its tensors on ``device``."""
     import torch
     from .torch import codec, scatter_codec
     out = {}
@@ -142,9 +167,9 @@ def _time_codec(n, N, reps, timer=None):
         sfx = "_auto" if auto else ""
         thr = "auto" if auto else 0.5
         lay = _layout.Layout([n], auto)
-        g = torch.randn(n) * 0.3
-        r = torch.zeros(n)
-        payload = torch.empty(lay.payload_words, dtype=torch.int32)
+        g = torch.randn(n, device=device) * 0.3
+        r = torch.zeros(n, device=device)
+        payload = torch.empty(lay.payload_words, dtype=torch.int32, device=device)
         enc = lambda: codec.encode_payload(lay, r, g, thr, "lsq", payload)
         out["encode" + sfx] = _median_time(enc, reps, timer)
         t, v = enc()
@@ -164,7 +189,7 @@ def _time_codec(n, N, reps, timer=None):
         for c in range(N):
             mine = send[offs[c]:offs[c + 1]]
             received = mine.repeat(N)
-            res = torch.zeros(chunks.values(c)) if auto else None
+            res = torch.zeros(chunks.values(c), device=device) if auto else None
             fn = lambda: scatter_codec.owner_reduce(chunks, received, [int(splits[c])] * N, ["x"],
                                                     c, thr, "lsq", res)
             if c == 0:
@@ -226,26 +251,33 @@ def refit(prof):
     return prof
 
 
-def _time_per_value(n, reps, timer=None):
-    """Per-value seconds of what the exchange and the optimizer do besides the codec. The float16
-    sum is timed with NumPy's float16 add, which converts each value in software as Gloo's
-    ``gloo::float16`` sum does (a proxy, not Gloo itself; on a virtual cluster
-    ``horovod_twobit.cluster_profile.from_cluster`` replaces it with Horovod's own, measured)."""
+def _time_per_value(n, reps, timer=None, device="cpu"):
+    """Per-value seconds of what the exchange and the optimizer do besides the codec, on
+    ``device``. On a CPU the float16 sum is timed with NumPy's float16 add, which converts each
+    value in software as Gloo's ``gloo::float16`` sum does (a proxy, not Gloo itself; on a
+    virtual cluster ``horovod_twobit.cluster_profile.from_cluster`` replaces it with Horovod's
+    own, measured); on a GPU, where NCCL sums, with torch's float16 add there."""
     import numpy as np
     import torch
-    a, b = torch.randn(n), torch.randn(n)
-    o = torch.empty(n)
-    h = np.random.rand(n // 4).astype(np.float16)
-    h2, ho = h.copy(), h.copy()
-    p = torch.nn.Parameter(torch.randn(n))
-    p.grad = torch.randn(n)
+    a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+    o = torch.empty(n, device=device)
+    if torch.device(device).type == "cpu":
+        h = np.random.rand(n // 4).astype(np.float16)
+        h2, ho = h.copy(), h.copy()
+        add16 = lambda: np.add(h, h2, out=ho)
+    else:
+        h = torch.rand(n // 4, device=device, dtype=torch.float16)
+        ho = h.clone()
+        add16 = lambda: torch.add(h, h, out=ho)
+    p = torch.nn.Parameter(torch.randn(n, device=device))
+    p.grad = torch.randn(n, device=device)
     opt = torch.optim.SGD([p], lr=0.1)
-    half = torch.empty(n, dtype=torch.float16)
-    d = torch.empty(n)
-    m, q = torch.randn(2048, 2048), torch.randn(2048, 4)
+    half = torch.empty(n, dtype=torch.float16, device=device)
+    d = torch.empty(n, device=device)
+    m, q = torch.randn(2048, 2048, device=device), torch.randn(2048, 4, device=device)
     return {
         "sum_fp32_s": _median_time(lambda: torch.add(a, b, out=o), reps, timer) / n,
-        "sum_fp16_s": _median_time(lambda: np.add(h, h2, out=ho), reps, timer) / (n // 4),
+        "sum_fp16_s": _median_time(add16, reps, timer) / (n // 4),
         "cast_fp16_s": _median_time(lambda: half.copy_(a), reps, timer) / n,
         "copy_s_per_byte": _median_time(lambda: d.copy_(a), reps, timer) / (4 * n),
         "optimizer_s": _median_time(opt.step, reps, timer) / n,

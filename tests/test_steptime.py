@@ -4,6 +4,7 @@ profiles, calibration and the comparison with bench_cluster's output."""
 import json
 
 import pytest
+import torch
 
 from horovod_twobit import calibrate, layout, scatter_wire, steptime
 
@@ -202,6 +203,28 @@ def test_calibrate_writes_a_usable_profile(tmp_path):
     for k in ("sum_fp32_s", "sum_fp16_s", "copy_s_per_byte", "kernel_s_per_byte", "message_s"):
         assert prof[k] > 0
     assert steptime.predict([4096], "scatter", 2, 1e9, 0.01, str(path)).step_s > 0.01
+
+
+def test_calibrate_on_a_gpu_needs_the_wall_clock():
+    with pytest.raises(ValueError, match=r"clock=\"wall\" \(--clock wall\)"):
+        calibrate.calibrate(None, sizes=(1024,), ranks=(2,), reps=1, device="cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA device.*--device cpu"):
+            calibrate.calibrate(None, sizes=(1024,), ranks=(2,), reps=1, device="cuda",
+                                clock="wall")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_calibrate_on_a_gpu_writes_a_usable_profile(tmp_path):
+    path = tmp_path / "gpu.json"
+    prof = calibrate.calibrate(str(path), sizes=(1 << 16, 1 << 18), ranks=(2, 3), reps=1,
+                               name="gpu", clock="wall", min_wall_s=0.01, device="cuda")
+    back = steptime.load_profile(str(path))
+    assert back["kind"] == "measured" and back["serial"] is False
+    assert torch.cuda.get_device_name() in back["source"]
+    for k in steptime.CODEC_KEYS:
+        assert min(back["codec"][k]) >= 0 and steptime.codec_s(back, k, 1 << 18, 2) > 0
+    assert prof["sum_fp16_s"] > 0 and prof["optimizer_s"] > 0
 
 
 def test_fit_recovers_coefficients():
