@@ -10,7 +10,7 @@ from horovod_twobit import reference_scatter as rs
 from horovod_twobit import scatter_wire as sw
 from horovod_twobit import wire
 from horovod_twobit.layout import Layout
-from horovod_twobit.torch import codec, scatter_codec
+from horovod_twobit.torch import codec, owner_codec, scatter_codec
 from test_torch_buckets import _grads, encode_all
 
 SIZES = [1, 15, 16, 17, 40, 480, 1000, 9216, 70003]
@@ -29,9 +29,10 @@ def _device(monkeypatch, device):
 
 
 def exchange(layout, rs_, owners, grads, threshold, rule="lsq", divisor=None, scale=1.0,
-             in_place=False):
+             in_place=False, scratches=None):
     """One step on every rank; returns each rank's flat result (written over its flat gradient
-    when ``in_place``) and the phase payloads."""
+    when ``in_place``) and the phase payloads. ``scratches``: each owner's buffer, kept from step
+    to step as a bucket keeps it (:func:`owner_scratches`), else none."""
     N = len(rs_)
     chunks = sw.Chunks(layout, N)
     names = ["t%d" % i for i in range(layout.members)]
@@ -41,7 +42,10 @@ def exchange(layout, rs_, owners, grads, threshold, rule="lsq", divisor=None, sc
     for owner in range(N):  # what the alltoall hands each owner
         pieces = [send.split(splits.tolist())[owner] for send, splits in sends]
         red, bad = scatter_codec.owner_reduce(chunks, torch.cat(pieces), [p.numel() for p in pieces],
-                                              names, owner, threshold, rule, owners[owner])
+                                              names, owner, threshold, rule, owners[owner],
+                                              scratches[owner] if scratches else None)
+        if scratches:  # left zero past the chunk's words, as the next step needs it
+            assert not scratches[owner][16 * chunks.words(owner):].any()
         assert red.numel() == chunks.reduced_words(owner)
         reduced.append(red)
         bads.append(bad)
@@ -53,6 +57,11 @@ def exchange(layout, rs_, owners, grads, threshold, rule="lsq", divisor=None, sc
                                          torch.empty(layout.values, device=gs[rank].device))
             for rank in range(N)]
     return outs, sends, reduced
+
+
+def owner_scratches(chunks, device="cpu"):
+    return [torch.zeros(owner_codec.scratch_values(chunks.words(c)), device=device)
+            for c in range(chunks.nranks)]
 
 
 @pytest.mark.parametrize("threshold,block,blocks", [(0.5, None, None), (0.05, None, None),
@@ -70,13 +79,40 @@ def test_bucket_matches_reference(monkeypatch, threshold, block, blocks, nranks,
     w = ref.Workers(nranks, threshold, block=block, blocks=blocks, exchange="scatter")
     names = ["t%d" % i for i in range(len(SIZES))]
     sent = 0
+    scratches = owner_scratches(chunks, device) if auto else None
     for step in range(3):
         grads = _grads(SIZES, nranks, step)
-        outs, _, _ = exchange(layout, rs_, owners, grads, threshold)
+        outs, _, _ = exchange(layout, rs_, owners, grads, threshold, scratches=scratches)
         want = w.bucket(names, grads)
         check_step(w, names, layout, want, outs, rs_, owners if auto else None, step)
         sent += sum(np.count_nonzero(x) for x in want)
     assert sent > 0
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+@pytest.mark.parametrize("chunk,in_place", [(64, False), (80, True), (1 << 22, True)])
+def test_auto_results_decode_in_parts(monkeypatch, path, chunk, in_place):
+    """finish_reduced writes each owner's "auto" chunk into the result kernels.PACK_CHUNK values
+    at a time (whole plane words: 80 -> 64): the reference's bits whatever the part size, pieces
+    and members cut by the parts included, over the gradient or into a new tensor."""
+    from horovod_twobit.torch import kernels
+    monkeypatch.setattr(kernels, "PACK_CHUNK", chunk)
+    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    nranks = 3
+    layout = Layout(SIZES, True, *wire.validate_blocks("auto", 16, 4))
+    chunks = sw.Chunks(layout, nranks)
+    assert max(chunks.values(c) for c in range(nranks)) > 100 * chunk or chunk > 1 << 20
+    rs_ = [torch.zeros(layout.values) for _ in range(nranks)]
+    owners = [torch.zeros(chunks.values(c)) for c in range(nranks)]
+    w = ref.Workers(nranks, "auto", block=16, blocks=4, exchange="scatter")
+    names = ["t%d" % i for i in range(len(SIZES))]
+    for step in range(2):
+        grads = _grads(SIZES, nranks, step)
+        outs, _, _ = exchange(layout, rs_, owners, grads, "auto", divisor=nranks, scale=0.7,
+                              in_place=in_place)
+        check_step(w, names, layout, w.bucket(names, grads, postscale=0.7), outs, rs_, owners,
+                   step)
+    assert not kernels._disabled
 
 
 def check_step(w, names, layout, want, outs, rs_, owners, step):
@@ -156,12 +192,13 @@ def test_nonfinite_member_is_nan_everywhere_and_keeps_every_residual(monkeypatch
     rs_ = [torch.zeros(layout.values, device=device) for _ in range(nranks)]
     owners = [torch.zeros(chunks.values(c), device=device) for c in range(nranks)]
     w = ref.Workers(nranks, threshold, exchange="scatter")
+    scratches = owner_scratches(chunks, device) if threshold == "auto" else None
     for step in range(3):
         grads = _grads(sizes, nranks, step)
         if step == 1:
             grads[1][2][5] = np.inf
         outs, _, _ = exchange(layout, rs_, owners, grads, threshold, divisor=nranks, scale=0.7,
-                              in_place=in_place)
+                              in_place=in_place, scratches=scratches)
         want = w.bucket(names, grads, postscale=0.7)
         check_step(w, names, layout, want, outs, rs_, owners if threshold == "auto" else None,
                    step)

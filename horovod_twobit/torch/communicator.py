@@ -49,6 +49,7 @@ class Bucket:
         self._round = None  # the step whose members are arriving
         self._flight = None  # the last step sent
         self._exchanges = {}  # number of ranks -> (exchange, its Chunks or None)
+        self.owner_scratch = None  # the scatter exchange's "auto" owner buffer (ScatterFlight)
         # for the stats: its key, real values, bytes per (ranks, rank, exchange), residual norms
         self.key, self.values = scatter_wire.owner_key(self.names), sum(self.layout.numels)
         self._sent_bytes = {}

@@ -333,24 +333,34 @@ def _finish_body(words, ts, shifts, divisor, scale, r, g, t, v, out):
     dest.copy_(_decoded(words, ts, shifts, divisor, scale).to(dest.dtype))
 
 
+def _decode_into_body(words, ts, shifts, divisor, scale, out):
+    out.copy_(_decoded(words, ts, shifts, divisor, scale))
+
+
 _BODIES["decode"] = _decode_body
+_BODIES["decode_into"] = _decode_into_body
 _BODIES["finish"] = _finish_body
 
 
-def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0):
+def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0, out=None):
     """float32 sum, in rank order, of the decoded ``rows`` (1-D int32 words, one per rank, each
     with ``thresholds[i]``: a number, or one per word), divided by ``divisor`` and multiplied by ``scale``: the reference's
     float32 operations in the reference's order (v0 + v1 + ..., then / divisor, then * scale).
     The padding codes of the last word are 00, so decoding whole words and keeping the first
-    ``numel`` values is exact."""
+    ``numel`` values is exact. ``out`` (1-D float32 of the whole words' 16 * ceil(numel / 16)
+    values) receives them, padding included (+0.0), instead of a new tensor."""
     dev = rows[0].device
     if numel == 0:
         return torch.empty(0, dtype=torch.float32, device=dev)
     nw = wire.num_words(numel)
     divisor, scale = _t(divisor, dev), _t(scale, dev)
     late = _late_division(dev, numel)
-    out = _call("decode", numel, [w[:nw] for w in rows], [_head(_t(t, dev), nw) for t in thresholds],
-                _shifts(dev), None if late else divisor, scale)
+    args = ([w[:nw] for w in rows], [_head(_t(t, dev), nw) for t in thresholds], _shifts(dev),
+            None if late else divisor, scale)
+    if out is None:
+        out = _call("decode", numel, *args)
+    else:
+        _call("decode_into", numel, *args, out.view(nw, 16))
     if late:
         out = out.div_(divisor).mul_(scale)
     return out[:numel]

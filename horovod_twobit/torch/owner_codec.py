@@ -37,19 +37,31 @@ def scales(pieces, words, nwords, x):
     return (a.view(torch.int32) & _LOW_BITS).view(torch.float32)
 
 
-def owner_encode(pieces, nwords, residual, S, bad, words=None):
+def scratch_values(nwords):
+    """The values of :func:`owner_encode`'s buffer for a chunk of ``nwords`` words: whole plane
+    words of 32 values."""
+    return 32 * sw.plane_words(nwords)
+
+
+def owner_encode(pieces, nwords, residual, S, bad, words=None, x=None):
     """The body of an owner's phase-2 payload (its pieces' scales as int32 words, then the code
     planes of its ``nwords`` words) for the chunk's sum ``S`` (float32, the chunk's values) and its
     residual ``residual`` (float32, updated in place but for pieces of members in ``bad``, a list
     of bools). Those pieces are sent as scale 0 and codes 0. ``words``: :func:`piece_words`.
-    Works on (words, 16) views with one scale per word: no per-value copy of the scales."""
+    Works on (words, 16) views with one scale per word: no per-value copy of the scales.
+    ``x``: a buffer of :func:`scratch_values` values whose first values are ``S`` itself (the
+    caller decoded the sum there) and that is zero past the chunk's words; it is worked in and
+    left so. Without it a new one is made."""
     n, L = S.numel(), sw.OWNER_LEVELS
     if words is None:
         words = piece_words(pieces, S.device)
     if not pieces:
         return S.new_empty(0, dtype=torch.int32)
-    x = S.new_zeros(32 * sw.plane_words(nwords))  # whole plane words; zero past the values
-    torch.add(residual, S, out=x[:n])
+    if x is None:
+        x = S.new_zeros(scratch_values(nwords))  # whole plane words; zero past the values
+        torch.add(residual, S, out=x[:n])
+    else:  # S is x[:n]: the same r + S
+        x[:n].add_(residual)
     xw = x[:16 * nwords].view(nwords, 16)
     a = scales(pieces, words, nwords, x[:16 * nwords])
     hit = [(p[2], 16 * p[4]) for p in pieces if bad[p[1]]]  # whole words: padding too
@@ -89,19 +101,34 @@ def _values_body(planes, a_w, nwords, div, sc):
 kernels._BODIES["owner_values"] = _values_body
 
 
-def owner_values(body, pieces, nwords, nvalues, divisor, scale, words=None):
+def owner_values(body, pieces, nwords, nvalues, divisor, scale, words=None, out=None):
     """k * a / ``divisor`` * ``scale`` (float32, the reference's order) for the first ``nvalues``
     values of an owner's phase-2 ``body``; divisor and scale are 0-d float32 tensors. One
-    compiled pass from ``COMPILE_MIN_NUMEL`` values."""
+    compiled pass from ``COMPILE_MIN_NUMEL`` values. With ``out`` (``nvalues`` long, float32 or
+    a gradient's dtype) the values are written there, ``kernels.PACK_CHUNK`` values at a time:
+    each part's temporary is then small enough for the allocator to reuse it step after step,
+    where one of the chunk's size would be fresh memory (a page fault per 4 kB) every step."""
     if words is None:
         words = piece_words(pieces, body.device)
     k = len(pieces)
     if not nvalues:
-        return torch.zeros(0, dtype=torch.float32, device=body.device)
+        return torch.zeros(0, dtype=torch.float32, device=body.device) if out is None else out
     a_w = torch.repeat_interleave(body[:k].view(torch.float32), words,
                                   output_size=nwords).unsqueeze(1)
     planes = body[k:].view(sw.OWNER_BITS, -1)
-    if kernels._late_division(body.device, nvalues):  # a GPU: the division correctly rounded
+    if out is None:
+        return _values(planes, a_w, nwords, nvalues, divisor, scale)
+    step = max(32, kernels.PACK_CHUNK - kernels.PACK_CHUNK % 32)  # whole plane words
+    for v0 in range(0, nvalues, step):
+        v1 = min(nvalues, v0 + step)
+        w0, nw = v0 // 16, min(nwords - v0 // 16, -(-(v1 - v0) // 16))
+        out[v0:v1].copy_(_values(planes[:, v0 // 32:-(-v1 // 32)], a_w[w0:w0 + nw], nw, v1 - v0,
+                                 divisor, scale))
+    return out
+
+
+def _values(planes, a_w, nwords, nvalues, divisor, scale):
+    if kernels._late_division(planes.device, nvalues):  # a GPU: the division correctly rounded
         x = kernels._call("owner_values", nvalues, planes, a_w, nwords, None, None)
         return x[:nvalues].div_(divisor).mul_(scale)
     return kernels._call("owner_values", nvalues, planes, a_w, nwords, divisor, scale)[:nvalues]

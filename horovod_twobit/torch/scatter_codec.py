@@ -69,13 +69,16 @@ def chunk_payloads(chunks, payload, threshold):
     return torch.cat(pieces), splits
 
 
-def owner_reduce(chunks, received, splits, names, owner, threshold, rule=None, residual=None):
+def owner_reduce(chunks, received, splits, names, owner, threshold, rule=None, residual=None,
+                 scratch=None):
     """Phase 2's payload of chunk ``owner`` and the bad member flags (a list of bools, the same on
     every rank), from the ``alltoall``'s output ``received`` (one chunk payload per sender, of
     ``splits`` words). Raises :class:`PayloadMismatchError` with the same message on every rank
     when the senders disagree. With "auto", ``residual`` is this owner's float32 residual of the
     chunk's values, updated in place except where a member held NaN or Inf. ``rule`` is not used
-    (phase 2's levels follow each piece's largest value)."""
+    (phase 2's levels follow each piece's largest value). ``scratch``: with "auto", a float32
+    buffer of :func:`owner_codec.scratch_values` values, zero past the chunk's words, that the
+    chunk's sum and codes are worked in and left so (else a new one)."""
     N, layout = chunks.nranks, chunks.layout
     splits = [int(s) for s in splits]
     offs = [sum(splits[:s]) for s in range(N)]
@@ -101,8 +104,10 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule=None, r
         return torch.cat([reduced[owner], pack_counts(_counts(rows, N, wc), chunks.bits)]), bad
     mags = [received[b:b + nm].view(torch.float32) for b in body]
     ts = [torch.repeat_interleave(m, piece_words[owner], output_size=wc) for m in mags]
-    S = kernels.decode_sum(rows, ts, nvalues) if wc else residual.new_empty(0)
-    body = owner_codec.owner_encode(chunks.pieces[owner], wc, residual, S, bad, piece_words[owner])
+    x = residual.new_zeros(owner_codec.scratch_values(wc)) if scratch is None else scratch
+    S = kernels.decode_sum(rows, ts, nvalues, out=x[:16 * wc]) if wc else residual.new_empty(0)
+    body = owner_codec.owner_encode(chunks.pieces[owner], wc, residual, S, bad, piece_words[owner],
+                                    x=x)
     return torch.cat([reduced[owner], body]), bad
 
 
@@ -230,8 +235,8 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
     if any(h is None or h.chunk != c for c, h in enumerate(heads)):
         raise wire.PayloadMismatchError("tensor %r: owners sent malformed reduced chunks" % names[0])
     spans = [(s, n) for s, n in zip(layout.starts, layout.numels)]
-    # then each chunk's commit and decode share one pass; not on a GPU, where the compiled pass
-    # could not divide correctly rounded (kernels._late_division)
+    # then each chunk's commit and decode share one pass; not where the compiled pass cannot
+    # divide correctly rounded (a GPU whose Inductor lacks the option: kernels._late_division)
     late = any(kernels._late_division(dev, chunks.values(c)) for c in range(N))
     fused = not any(bad) and not layout.auto and not late
     if not fused:  # the commit first, of the members that held no NaN or Inf (it reads g)
@@ -256,8 +261,8 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
         tc, vc = kernels.span(t, pos // 16, wc), kernels.span(v, pos // 16, wc)
         into = None if out is None else out[span]
         if layout.auto:
-            dest[span].copy_(owner_codec.owner_values(body, chunks.pieces[c], wc, n, div, sc,
-                                                      piece_words[c]))
+            owner_codec.owner_values(body, chunks.pieces[c], wc, n, div, sc, piece_words[c],
+                                     out=dest[span])
         elif fused:  # compiled from COMPILE_MIN_NUMEL values, else the same body eagerly
             kernels._call("finish_counts", n, body.view(chunks.bits, -1), N, thr, div, sc, r[span],
                           g[span], kernels._t(tc, dev), kernels._t(vc, dev), into)
