@@ -76,9 +76,9 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule=None, r
     ``splits`` words). Raises :class:`PayloadMismatchError` with the same message on every rank
     when the senders disagree. With "auto", ``residual`` is this owner's float32 residual of the
     chunk's values, updated in place except where a member held NaN or Inf. ``rule`` is not used
-    (phase 2's levels follow each piece's largest value). ``scratch``: with "auto", a float32
-    buffer of :func:`owner_codec.scratch_values` values, zero past the chunk's words, that the
-    chunk's sum and codes are worked in and left so (else a new one)."""
+    (phase 2's levels follow each piece's largest value). ``scratch``: a float32 buffer of
+    :func:`owner_codec.scratch_values` values, zero past the chunk's words, that the chunk's sum
+    and counts or codes are worked in and left so (else new tensors)."""
     N, layout = chunks.nranks, chunks.layout
     splits = [int(s) for s in splits]
     offs = [sum(splits[:s]) for s in range(N)]
@@ -101,7 +101,8 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule=None, r
     piece_words = _piece_words(chunks, received.device)
     nvalues = chunks.values(owner)
     if not layout.auto:
-        return torch.cat([reduced[owner], pack_counts(_counts(rows, N, wc), chunks.bits)]), bad
+        return torch.cat([reduced[owner], pack_counts(_counts(rows, N, wc, scratch),
+                                                      chunks.bits)]), bad
     mags = [received[b:b + nm].view(torch.float32) for b in body]
     ts = [torch.repeat_interleave(m, piece_words[owner], output_size=wc) for m in mags]
     x = residual.new_zeros(owner_codec.scratch_values(wc)) if scratch is None else scratch
@@ -111,17 +112,21 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule=None, r
     return torch.cat([reduced[owner], body]), bad
 
 
-def _counts(rows, nranks, wc):
+def _counts(rows, nranks, wc, scratch=None):
     """The unsigned counts (int32, 0..2N) of ``wc`` words of every rank's ``rows``: their
     decode-sum at threshold 1 (exact small integers in float32) plus N, converted in the sum's own
     buffer. A conversion into new tensors would take two more of the chunk's size, fresh pages on
-    every step: 10 M values at 2 ranks took 76-80 ms that way, 48 ms this way (one process)."""
+    every step: 10 M values at 2 ranks took 76-80 ms that way, 48 ms this way (one process).
+    With ``scratch`` (as :func:`owner_reduce` takes it) the sum is made there, and the counts
+    come back with its zero tail (whole plane words: :func:`pack_counts` pads with zeros)."""
     if not wc:
         return rows[0].new_empty(0)
-    counts = kernels.decode_sum(rows, [1.0] * nranks, 16 * wc)  # a new tensor of its own
+    out = None if scratch is None else scratch[:16 * wc]
+    counts = kernels.decode_sum(rows, [1.0] * nranks, 16 * wc, out=out)
     counts.add_(nranks)
     u = counts.view(torch.int32)
-    return u.copy_(counts)  # same places, same size: each value converted where it lies
+    u.copy_(counts)  # same places, same size: each value converted where it lies
+    return u if scratch is None else scratch.view(torch.int32)
 
 
 _LUT = {}

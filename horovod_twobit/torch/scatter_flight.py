@@ -92,7 +92,7 @@ class ScatterFlight(Flight):
                                             self.owner, self.nranks)
             payload, self.bad = scatter_codec.owner_reduce(
                 self.chunks, received.to(self.g.device), splits.tolist(), b.names, self.owner,
-                c.threshold, c.auto_rule, residual, self._scratch() if b.layout.auto else None)
+                c.threshold, c.auto_rule, residual, self._scratch())
         except Exception as e:  # raised on the first wait, on every rank alike
             self.error = e
             return True
@@ -101,7 +101,7 @@ class ScatterFlight(Flight):
         return True
 
     def _scratch(self):
-        """The bucket's buffer for its owner's "auto" sum and codes, kept from step to step: a
+        """The bucket's buffer for its owner's sum and counts or codes, kept from step to step: a
         new one of the chunk's size would be fresh memory every step (on a CPU, a page fault per
         4 kB: 10 K per 10 M values). ``owner_reduce`` calls run one at a time (under
         progress's lock), each is done with it when it returns, and each leaves it zero past the
