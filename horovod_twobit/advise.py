@@ -227,7 +227,8 @@ def main_calibrate(argv):
     p.add_argument("--clock", choices=calibrate.CLOCKS,
                    help="cpu (the default on a CPU): CPU seconds of this process; wall (the "
                         "default on a GPU): wall seconds / --dilation, also for a virtual "
-                        "cluster's host (examples/bench_cluster.py --calibrate runs it on every host)")
+                        "cluster's host (examples/bench_cluster.py --calibrate runs it on every "
+                        "host)")
     p.add_argument("--dilation", type=float, default=1.0)
     args = p.parse_args(argv)
     args.name = args.name or args.device.split(":")[0]

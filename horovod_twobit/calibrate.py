@@ -69,8 +69,9 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ra
                                                else _cpu_name(), threads,
                                                "compiled" if compiled else "eager",
                                                torch.__version__, _clock_name(clock, dilation)),
-            "note": ("the codec on one %s device; the network figures are its host's TCP" % device.type
-                     if gpu else "one host = one core doing compute, codec and the exchange's CPU work"),
+            "note": ("the codec on one %s device; the network figures are its host's TCP"
+                     % device.type if gpu else
+                     "one host = one core doing compute, codec and the exchange's CPU work"),
             "codec": codec, "codec_by_size": by_size, "points": points}
     prof.update(per)
     prof.update(_time_network(nbytes=(64 << 20) if clock == "cpu" else (256 << 20), timer=timer,

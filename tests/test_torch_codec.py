@@ -102,8 +102,8 @@ def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path, chu
     assert not kernels._disabled, "compilation failed and fell back to eager"
 
 
-@pytest.mark.parametrize("way", ["chunks", "one pass", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("way", ["chunks", "one pass", pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("per_word", [False, True])
 def test_pack_words_and_word_flags(monkeypatch, way, per_word):
     """kernels.pack from COMPILE_MIN_NUMEL values, in cache-sized chunks (a CPU) or in one pass
