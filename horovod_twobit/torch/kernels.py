@@ -354,16 +354,23 @@ def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0, out=None):
         return torch.empty(0, dtype=torch.float32, device=dev)
     nw = wire.num_words(numel)
     divisor, scale = _t(divisor, dev), _t(scale, dev)
-    late = _late_division(dev, numel)
-    args = ([w[:nw] for w in rows], [_head(_t(t, dev), nw) for t in thresholds], _shifts(dev),
-            None if late else divisor, scale)
+    args = ([w[:nw] for w in rows], [_head(_t(t, dev), nw) for t in thresholds], _shifts(dev))
     if out is None:
-        out = _call("decode", numel, *args)
-    else:
-        _call("decode_into", numel, *args, out.view(nw, 16))
+        return call_divided("decode", numel, dev, *args, divisor=divisor, scale=scale)[:numel]
+    late = _late_division(dev, numel)
+    _call("decode_into", numel, *args, None if late else divisor, scale, out.view(nw, 16))
     if late:
-        out = out.div_(divisor).mul_(scale)
+        out.div_(divisor).mul_(scale)
     return out[:numel]
+
+
+def call_divided(name, numel, device, *args, divisor, scale):
+    """:func:`_call` of a body whose last two arguments are a divisor and a scale (it returns
+    x / divisor * scale): where the division must be late (:func:`_late_division`), the body
+    runs without them and an eager, correctly rounded division follows."""
+    if _late_division(device, numel):
+        return _call(name, numel, *args, None, None).div_(divisor).mul_(scale)
+    return _call(name, numel, *args, divisor, scale)
 
 
 def _late_division(device, numel):

@@ -128,7 +128,5 @@ def owner_values(body, pieces, nwords, nvalues, divisor, scale, words=None, out=
 
 
 def _values(planes, a_w, nwords, nvalues, divisor, scale):
-    if kernels._late_division(planes.device, nvalues):  # a GPU: the division correctly rounded
-        x = kernels._call("owner_values", nvalues, planes, a_w, nwords, None, None)
-        return x[:nvalues].div_(divisor).mul_(scale)
-    return kernels._call("owner_values", nvalues, planes, a_w, nwords, divisor, scale)[:nvalues]
+    return kernels.call_divided("owner_values", nvalues, planes.device, planes, a_w, nwords,
+                                divisor=divisor, scale=scale)[:nvalues]

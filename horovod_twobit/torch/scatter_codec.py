@@ -219,10 +219,8 @@ def count_values(words, nvalues, bits, nranks, thr, div, sc):
     on one CPU thread: 88 ms, against 430 ms eagerly), else :func:`unpack_counts` and the same
     operations."""
     if nvalues >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled:
-        if kernels._late_division(words.device, nvalues):  # a GPU: the division correctly rounded
-            x = kernels._run("count_values", words.view(bits, -1), nranks, thr, None, None)
-            return x[:nvalues].div_(div).mul_(sc)
-        return kernels._run("count_values", words.view(bits, -1), nranks, thr, div, sc)[:nvalues]
+        return kernels.call_divided("count_values", nvalues, words.device, words.view(bits, -1),
+                                    nranks, thr, divisor=div, scale=sc)[:nvalues]
     return unpack_counts(words, nvalues, bits, nranks) * (thr[:nvalues] if thr.dim() else thr) / div * sc
 
 
