@@ -276,3 +276,38 @@ def test_owner_encode_benchmark_times_both_encodes_of_one_chunk():
     assert torch.equal(body[len(pieces):len(pieces) + pieces[0][4]], words)
     t2, t3, k = owner_encode.measure(4096, 4)
     assert t2 > 0 and t3 > 0 and k == len(pieces)
+
+
+@pytest.mark.parametrize("threshold", [0.5, "auto"])
+@pytest.mark.parametrize("device", ["cpu", "cpu, late division"])
+def test_commit_runs_over_adjacent_good_members(monkeypatch, threshold, device):
+    """The commit is one call per run of adjacent members without NaN or Inf, not one per member,
+    and padding between members stays zero: a middle member holds an Inf in step 1 (two runs),
+    the steps before and after it are one run, and every step matches the reference."""
+    from horovod_twobit.torch import kernels
+    device = _device(monkeypatch, device)
+    nranks, sizes = 3, [40, 17, 300, 5, 33]
+    names = ["t%d" % i for i in range(len(sizes))]
+    layout = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold))
+    chunks = sw.Chunks(layout, nranks)
+    rs_ = [torch.zeros(layout.values, device=device) for _ in range(nranks)]
+    owners = [torch.zeros(chunks.values(c), device=device) for c in range(nranks)]
+    w = ref.Workers(nranks, threshold, exchange="scatter")
+    commit, calls = kernels.commit, []
+    monkeypatch.setattr(kernels, "commit", lambda r, *a: calls.append(r.numel()) or commit(r, *a))
+    for step in range(3):
+        grads = _grads(sizes, nranks, step)
+        if step == 1:
+            grads[0][2][7] = np.inf
+        del calls[:]
+        outs, _, _ = exchange(layout, rs_, owners, grads, threshold, divisor=nranks, scale=0.7)
+        want = w.bucket(names, grads, postscale=0.7)
+        check_step(w, names, layout, want, outs, rs_, owners if threshold == "auto" else None,
+                   step)
+        for rank in range(nranks):  # the padding after each member: zero
+            for s, n, nw in zip(layout.starts, layout.numels, layout.member_words):
+                assert not rs_[rank][s + n:s + 16 * nw].any()
+        if threshold == "auto" or step == 1:  # the fused pass commits without kernels.commit
+            runs = [[0, 16 * 5], [16 * 5 + 16 * 19, layout.values]] if step == 1 else \
+                [[0, layout.values]]
+            assert calls == [e - s for s, e in runs] * nranks

@@ -224,6 +224,23 @@ def count_values(words, nvalues, bits, nranks, thr, div, sc):
     return unpack_counts(words, nvalues, bits, nranks) * (thr[:nvalues] if thr.dim() else thr) / div * sc
 
 
+def _good_runs(layout, bad):
+    """``(start, end)`` value ranges of the bucket's flat buffer, one per run of adjacent members
+    without NaN or Inf, each member with its padding to a whole word: one commit per run, not per
+    member (a bucket of 100 small tensors paid 100 calls). The padding is zero in g and r on every
+    rank, so its codes are 00 and committing it leaves it zero, as the allgather finish does."""
+    runs = []
+    for i, (s, w) in enumerate(zip(layout.starts, layout.member_words)):
+        if bad[i]:
+            continue
+        e = s + (layout.numels[i] if layout.single else 16 * w)
+        if runs and runs[-1][1] == s:
+            runs[-1][1] = e
+        else:
+            runs.append([s, e])
+    return runs
+
+
 def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out=None):
     """After phase 2's allgather: commits this rank's error feedback (r <- r + g - q with the
     (t, v) ``codec.encode_payload`` returned, members that held NaN or Inf left alone) and writes
@@ -243,11 +260,9 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
     late = any(kernels._late_division(dev, chunks.values(c)) for c in range(N))
     fused = not any(bad) and not layout.auto and not late
     if not fused:  # the commit first, of the members that held no NaN or Inf (it reads g)
-        for i, (s, n) in enumerate(spans):
-            if not bad[i]:
-                w0, nw = s // 16, wire.num_words(n)
-                kernels.commit(r[s:s + n], g[s:s + n], kernels.span(t, w0, nw),
-                               kernels.span(v, w0, nw))
+        for s, e in _good_runs(layout, bad):
+            w0, nw = s // 16, wire.num_words(e - s)
+            kernels.commit(r[s:e], g[s:e], kernels.span(t, w0, nw), kernels.span(v, w0, nw))
     # Each owner's chunk is decoded straight into its place: no full-size temporary (a fresh
     # buffer of the bucket's size costs a page fault per 4 kB on every step).
     dest = g if out is None else out
