@@ -311,3 +311,35 @@ def test_commit_runs_over_adjacent_good_members(monkeypatch, threshold, device):
             runs = [[0, 16 * 5], [16 * 5 + 16 * 19, layout.values]] if step == 1 else \
                 [[0, layout.values]]
             assert calls == [e - s for s, e in runs] * nranks
+
+
+@pytest.mark.parametrize("threshold", [0.5, "auto"])
+def test_chunks_compile_by_the_bucket_size(monkeypatch, threshold):
+    """A bucket of at least COMPILE_MIN_NUMEL values runs its owners' sums and its finish
+    compiled even where each chunk is below it; a smaller bucket runs them eagerly. Same bits
+    both ways (against the reference)."""
+    from horovod_twobit.torch import kernels
+    if kernels._disabled:
+        pytest.skip("torch.compile is unavailable here")
+    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 4096)
+    run, ran = kernels._run, []
+    monkeypatch.setattr(kernels, "_run", lambda name, *a: ran.append(name) or run(name, *a))
+    nranks = 4
+    for sizes, compiled in (([3000, 1500, 17], True), ([3000, 17], False)):
+        names = ["t%d" % i for i in range(len(sizes))]
+        layout = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold))
+        chunks = sw.Chunks(layout, nranks)
+        assert max(chunks.values(c) for c in range(nranks)) < kernels.COMPILE_MIN_NUMEL
+        assert (layout.values >= kernels.COMPILE_MIN_NUMEL) == compiled
+        rs_ = [torch.zeros(layout.values) for _ in range(nranks)]
+        owners = [torch.zeros(chunks.values(c)) for c in range(nranks)]
+        w = ref.Workers(nranks, threshold, exchange="scatter")
+        for step in range(2):
+            grads = _grads(sizes, nranks, step)
+            del ran[:]
+            outs, _, _ = exchange(layout, rs_, owners, grads, threshold, divisor=nranks, scale=0.7)
+            check_step(w, names, layout, w.bucket(names, grads, postscale=0.7), outs, rs_,
+                       owners if threshold == "auto" else None, step)
+            want = {"decode_into", "owner_values"} if threshold == "auto" else \
+                {"decode", "pack_counts", "finish_counts"}
+            assert want <= set(ran) if compiled else not want & set(ran), (step, sorted(set(ran)))

@@ -27,6 +27,7 @@ the two pack passes), and the float32 result for an out-of-place allreduce (an i
 over the gradient). The eager path adds float32 and integer temporaries of the tensor's size.
 """
 
+import contextlib
 import os
 import threading
 import types
@@ -144,9 +145,33 @@ def _run(name, *args):
     return _BODIES[name](*args)
 
 
+_sized = threading.local()
+
+
+@contextlib.contextmanager
+def sized_as(numel):
+    """Within it, this thread's calls choose compiled or eager bodies as if their tensors held at
+    least ``numel`` values. The scatter exchange works a bucket in N chunks: a bucket of 262 K
+    values among 8 ranks has chunks of 32 K values, below COMPILE_MIN_NUMEL, whose eager owner
+    sum and finish cost 3-4x the compiled ones (0.96 against 0.35 ms, 1.67 against 0.38 ms on
+    one CPU thread)."""
+    old = getattr(_sized, "numel", 0)
+    _sized.numel = max(old, numel)
+    try:
+        yield
+    finally:
+        _sized.numel = old
+
+
+def compiles(numel):
+    """Whether a call on ``numel`` values runs its compiled body: from COMPILE_MIN_NUMEL values
+    (counting :func:`sized_as`), unless compilation is off or unavailable."""
+    return max(numel, getattr(_sized, "numel", 0)) >= COMPILE_MIN_NUMEL and not _disabled
+
+
 def _call(name, numel, *args):
-    """The compiled body for tensors of at least COMPILE_MIN_NUMEL values, else the eager one."""
-    if numel >= COMPILE_MIN_NUMEL and not _disabled:
+    """The compiled body where :func:`compiles`, else the eager one."""
+    if compiles(numel):
         return _run(name, *args)
     return _BODIES[name](*args)
 
@@ -238,7 +263,7 @@ def pack(r, g, threshold, out=None, word_flags=None):
     m = n - n % wire.VALUES_PER_WORD
     per_word = word_flags is not None and not flags_on_host(g.device)
     flag = None
-    if m >= COMPILE_MIN_NUMEL and not _disabled and _one_pass(g.device):
+    if compiles(m) and _one_pass(g.device):
         w = m // 16
         bad = _run("words_into", r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w),
                    _shifts(g.device, torch.int64), words[:w])
@@ -377,8 +402,7 @@ def _late_division(device, numel):
     """Whether the division by the number of ranks must run outside the compiled body: on a GPU
     where Inductor cannot divide correctly rounded (:func:`exact_division`), the compiled pass
     sums and an eager division, correctly rounded, follows (two more passes over the result)."""
-    return (device.type == "cuda" and numel >= COMPILE_MIN_NUMEL and not _disabled
-            and not exact_division())
+    return device.type == "cuda" and compiles(numel) and not exact_division()
 
 
 def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, magnitude=None):

@@ -11,6 +11,8 @@ GPU tensors: the communicator reaches the kernels through these three steps.
    the result, decoded from every owner's chunk.
 """
 
+import functools
+
 import torch
 
 from .. import scatter_wire as sw
@@ -69,6 +71,17 @@ def chunk_payloads(chunks, payload, threshold):
     return torch.cat(pieces), splits
 
 
+def _bucket_sized(fn):
+    """``fn(chunks, ...)`` choosing compiled or eager bodies by the bucket's size, not each
+    chunk's (:func:`kernels.sized_as`)."""
+    @functools.wraps(fn)
+    def sized(chunks, *args, **kwargs):
+        with kernels.sized_as(chunks.layout.values):
+            return fn(chunks, *args, **kwargs)
+    return sized
+
+
+@_bucket_sized
 def owner_reduce(chunks, received, splits, names, owner, threshold, rule=None, residual=None,
                  scratch=None):
     """Phase 2's payload of chunk ``owner`` and the bad member flags (a list of bools, the same on
@@ -193,7 +206,7 @@ def pack_counts(u, bits):
         return u.new_empty(0)
     if u.numel() % 32:
         u = torch.nn.functional.pad(u, (0, (-u.numel()) % 32))
-    if u.numel() >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled:
+    if kernels.compiles(u.numel()):
         return kernels._run("pack_counts", u, bits)
     js = torch.arange(bits, dtype=torch.int32, device=u.device).view(-1, 1)
     ones = ((u.unsqueeze(0) >> js) & 1).to(torch.uint8)  # (bits, n): one byte per bit
@@ -218,7 +231,7 @@ def count_values(words, nvalues, bits, nranks, thr, div, sc):
     :func:`pack_counts` words: one compiled pass from ``COMPILE_MIN_NUMEL`` values (21 M values
     on one CPU thread: 88 ms, against 430 ms eagerly), else :func:`unpack_counts` and the same
     operations."""
-    if nvalues >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled:
+    if kernels.compiles(nvalues):
         return kernels.call_divided("count_values", nvalues, words.device, words.view(bits, -1),
                                     nranks, thr, divisor=div, scale=sc)[:nvalues]
     return unpack_counts(words, nvalues, bits, nranks) * (thr[:nvalues] if thr.dim() else thr) / div * sc
@@ -241,6 +254,7 @@ def _good_runs(layout, bad):
     return runs
 
 
+@_bucket_sized
 def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out=None):
     """After phase 2's allgather: commits this rank's error feedback (r <- r + g - q with the
     (t, v) ``codec.encode_payload`` returned, members that held NaN or Inf left alone) and writes
@@ -281,7 +295,7 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
         if layout.auto:
             owner_codec.owner_values(body, chunks.pieces[c], wc, n, div, sc, piece_words[c],
                                      out=dest[span])
-        elif fused:  # compiled from COMPILE_MIN_NUMEL values, else the same body eagerly
+        elif fused:  # compiled where kernels.compiles (by the bucket), else the same body eagerly
             kernels._call("finish_counts", n, body.view(chunks.bits, -1), N, thr, div, sc, r[span],
                           g[span], kernels._t(tc, dev), kernels._t(vc, dev), into)
         else:
