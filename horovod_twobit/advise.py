@@ -60,7 +60,8 @@ def _model_kw(args):
                 fusion_bytes=steptime.parse_count(args.fusion_bytes),
                 bucket_bytes=args.bucket_bytes, forward_fraction=args.forward_fraction,
                 powersgd_rank=args.powersgd_rank, collective_s=args.collective_cost and
-                steptime.parse_seconds(args.collective_cost))
+                steptime.parse_seconds(args.collective_cost),
+                burst_bytes=steptime.parse_count(args.burst))
 
 
 def advise(sizes, compute_s, workers, rate, profile, methods=steptime.METHODS, **kw):
@@ -138,6 +139,8 @@ def main_predict(argv):
     p.add_argument("--cycle", default="1ms", help="HOROVOD_CYCLE_TIME (default %(default)s)")
     p.add_argument("--collective-cost", help="fixed cost of each collective beyond its messages "
                                              "(e.g. 200us; default the profile's, else 0)")
+    p.add_argument("--burst", default="0", help="bytes a link shaped by a token bucket sends at "
+                                                "once (tc tbf, some clouds; default 0: a plain link)")
     p.add_argument("--fusion-bytes", default="64M", help="HOROVOD_FUSION_THRESHOLD (default "
                                                          "64 MiB)")
     p.add_argument("--bucket-bytes", type=int, default=None, help="TwoBitCompressor's bucket_bytes")

@@ -281,24 +281,38 @@ class Wire:
     per collective beyond its messages and negotiation (the framework's op, Horovod's enqueue,
     response and callback; 0 unless a profile or the caller gives it), ``cycle_s``
     (HOROVOD_CYCLE_TIME: an idle background thread starts a collective half a cycle after its
-    input is ready) and ``fixed``: ``collective_s`` plus the negotiation (2 ceil(log2 N)
-    messages)."""
+    input is ready), ``fixed``: ``collective_s`` plus the negotiation (2 ceil(log2 N)
+    messages), and ``burst``: the bytes a link shaped by a token bucket sends at once before its
+    rate applies (tc's ``tbf``, the virtual cluster's links, some clouds' shaping; 0 for a plain
+    link: a switch port sends everything at its rate)."""
 
-    def __init__(self, nranks, alpha, beta, collective_s=0.0, cycle_s=0.0):
+    def __init__(self, nranks, alpha, beta, collective_s=0.0, cycle_s=0.0, burst=0.0):
         N = int(nranks)
-        self.alpha, self.beta = float(alpha), float(beta)
+        self.alpha, self.beta, self.burst = float(alpha), float(beta), float(burst)
         self.collective_s, self.cycle_s = float(collective_s), float(cycle_s)
         self.fixed = self.collective_s + (2 * math.ceil(math.log2(N)) * self.alpha if N > 1
                                           else 0.0)
 
     @classmethod
-    def of_link(cls, nranks, rate, latency_s, prof, cycle_s=1e-3, collective_s=None):
+    def of_link(cls, nranks, rate, latency_s, prof, cycle_s=1e-3, collective_s=None, burst=0.0):
         """From a link's ``rate`` (bits/s or "25gbit", less TCP/IP framing) and ``latency_s``
         and the profile's software cost per message (and per collective unless given)."""
         if collective_s is None:
             collective_s = prof.get("collective_s", 0.0)
         return cls(nranks, float(latency_s) + prof["message_s"],
-                   8.0 / (parse_rate(rate) * TCP_EFFICIENCY), collective_s, cycle_s)
+                   8.0 / (parse_rate(rate) * TCP_EFFICIENCY), collective_s, cycle_s, burst)
+
+
+def sent_bytes(kind, nranks, nbytes):
+    """The bytes one rank puts on its link in one collective of ``kind`` ("allreduce": a ring's
+    2 (N - 1) / N of its ``nbytes``; "allgather": N - 1 payloads of ``nbytes`` in a ring;
+    "alltoall" and "scatter_allgather": ``nbytes``, already this rank's share)."""
+    N = nranks
+    if kind == "allreduce":
+        return 2.0 * (N - 1) / N * nbytes
+    if kind == "allgather":
+        return (N - 1) * nbytes
+    return float(nbytes)
 
 
 def _collective_s(kind, nranks, nbytes, values, wire, prof, dtype_bytes=4, fused=1):
@@ -308,20 +322,20 @@ def _collective_s(kind, nranks, nbytes, values, wire, prof, dtype_bytes=4, fused
     if N < 2:
         return 0.0
     if kind == "allreduce":
-        s = 2 * (N - 1) * alpha + 2.0 * (N - 1) / N * nbytes * beta
+        s = 2 * (N - 1) * alpha + sent_bytes(kind, N, nbytes) * beta
         s += (N - 1) / N * values * prof["sum_fp16_s" if dtype_bytes == 2 else "sum_fp32_s"]
         if fused > 1:  # into the fusion buffer and back
             s += 2 * nbytes * prof["copy_s_per_byte"]
         return s
     if kind == "allgather":  # nbytes: one rank's payload (sum of fused ones); ring
-        return (N - 1) * alpha + (N - 1) * nbytes * beta + N * nbytes * prof["copy_s_per_byte"]
+        return (N - 1) * alpha + sent_bytes(kind, N, nbytes) * beta + N * nbytes * prof["copy_s_per_byte"]
     if kind == "alltoall":
         # nbytes: what this rank sends to the others. Gloo posts the N - 1 sends and receives at
         # once: one latency, and the software cost of every message; twice (the splits first)
         link_latency = alpha - prof["message_s"]
-        return 2 * (link_latency + (N - 1) * prof["message_s"]) + nbytes * beta
+        return 2 * (link_latency + (N - 1) * prof["message_s"]) + sent_bytes(kind, N, nbytes) * beta
     if kind == "scatter_allgather":  # the owners' sums, ring; nbytes: this rank's share already
-        return (N - 1) * alpha + nbytes * beta
+        return (N - 1) * alpha + sent_bytes(kind, N, nbytes) * beta
     raise ValueError(kind)
 
 
@@ -346,19 +360,20 @@ def bucket_s(lay, exchange, nranks, wire, prof):
 
 def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cycle_s=1e-3,
             fusion_bytes=64 << 20, bucket_bytes=None, forward_fraction=1.0 / 3,
-            powersgd_rank=4, collective_s=None):
+            powersgd_rank=4, collective_s=None, burst_bytes=0):
     """Predicted step time of ``method`` (see :data:`METHODS`) on ``nranks`` hosts with links of
     ``rate`` (bits/s or "25gbit") and ``latency_s``, for a model of gradient ``sizes`` whose
     forward and backward take ``compute_s`` on one host without communication.
     ``collective_s``: the fixed cost of each collective (:class:`Wire`; default the profile's,
-    else 0)."""
+    else 0). ``burst_bytes``: the links' token bucket (:class:`Wire`'s ``burst``; 0, a plain
+    link, unless they are shaped), full at a step's start as the step before left it."""
     if method not in METHODS:
         raise ValueError("method must be one of %s, got %r" % (", ".join(METHODS), method))
     prof = load_profile(profile)
     N = int(nranks)
     sizes = [int(n) for n in sizes]
     total = float(sum(sizes))
-    wire = Wire.of_link(N, rate, latency_s, prof, cycle_s, collective_s)
+    wire = Wire.of_link(N, rate, latency_s, prof, cycle_s, collective_s, burst_bytes)
     fwd = compute_s * forward_fraction
     per_value = compute_s * (1 - forward_fraction) / max(total, 1.0)
     opt = total * prof["optimizer_s"]
@@ -379,9 +394,43 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
         t += u.encode
         u.ready = t
     backward_end = t + sum(per_value_s(i) for i in range(len(sizes)) if i not in done)
-    # background thread: cycles, fusion, one collective at a time
-    free, wire_s, cpu_coll = 0.0, 0.0, 0.0
     busy_rate = loaded_rate(prof)
+    tokens = wire.burst  # the link's token bucket at the step's start (steady state: below)
+    for _ in range(4 if wire.burst else 1):
+        wire_s, cpu_coll, first, last, left = _background(order, N, wire, prof, fusion_bytes,
+                                                          backward_end, busy_rate, tokens)
+        # training thread: synchronize, unit by unit, decoding each when its collective is done
+        t = backward_end
+        for u in order:
+            t = max(t, u.done) + u.decode
+        step_end = t + opt + fw_step
+        # the next step starts with what this one left, refilled while its link is idle
+        again = min(wire.burst, left + (step_end - last + first) / wire.beta) if order else 0.0
+        if abs(again - tokens) < 1.0:
+            break
+        tokens = again
+    framework = fw_step + fw_tensor * len(sizes)
+    step = step_end + straggler_s(prof, N)
+    codec = sum(u.encode + u.decode + u.owner for u in units)
+    sent = exchange_bytes(sizes, method, N, bucket_bytes)
+    cpu = (compute_s + codec + cpu_coll + opt + framework
+           + 2 * sent * prof["kernel_s_per_byte"])
+    bound = "path"
+    if prof.get("serial") and cpu > step:
+        step, bound = cpu, "cpu"
+    return Prediction(method, step, {
+        "compute": compute_s, "codec": codec, "exchange": wire_s, "optimizer": opt,
+        "framework": framework, "bytes_sent": sent, "cpu": cpu, "bound": bound,
+        "collectives": len(units)})
+
+
+def _background(order, N, wire, prof, fusion_bytes, backward_end, busy_rate, tokens):
+    """Horovod's background thread over one step: cycles, fusion, one collective at a time; sets
+    each unit's ``done``. ``tokens``: the bytes the link's token bucket holds at the step's start
+    (:class:`Wire`'s ``burst``), spent before the rate applies and refilled at the rate while
+    the link is idle. Returns (seconds of collectives, their CPU work, when the first started,
+    when the last ended, the tokens left)."""
+    free, wire_s, cpu_coll, first = 0.0, 0.0, 0.0, None
     pending = [(u.ready, k, u, 1) for k, u in enumerate(order)]
     while pending:
         pending.sort(key=lambda x: (x[0], x[1]))
@@ -404,7 +453,14 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
         dur = _collective_s(kind, N, nbytes, nvalues, wire, prof, batch[0][2].dtype_bytes,
                             len(batch))
         if kind == "allreduce":  # the reduction and the copies: CPU work
-            cpu_coll += dur - (2 * (N - 1) * wire.alpha + 2.0 * (N - 1) / N * nbytes * wire.beta)
+            cpu_coll += dur - (2 * (N - 1) * wire.alpha + sent_bytes(kind, N, nbytes) * wire.beta)
+        if wire.burst:
+            if first is not None:
+                tokens = min(wire.burst, tokens + (start - free) / wire.beta)
+            used = min(tokens, sent_bytes(kind, N, nbytes))
+            tokens -= used
+            dur -= used * wire.beta  # sent at once, out of the bucket
+        first = start if first is None else first
         end = _collective_end(start, wire.fixed + dur, backward_end, busy_rate)
         wire_s += wire.fixed + dur
         free = end
@@ -416,23 +472,7 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
                 pending.append((max(end, backward_end) + u.owner, k, u, 2))
             else:
                 u.done = end
-    # training thread: synchronize, unit by unit, decoding each when its collective is done
-    t = backward_end
-    for u in order:
-        t = max(t, u.done) + u.decode
-    framework = fw_step + fw_tensor * len(sizes)
-    step = t + opt + fw_step + straggler_s(prof, N)
-    codec = sum(u.encode + u.decode + u.owner for u in units)
-    sent = exchange_bytes(sizes, method, N, bucket_bytes)
-    cpu = (compute_s + codec + cpu_coll + opt + framework
-           + 2 * sent * prof["kernel_s_per_byte"])
-    bound = "path"
-    if prof.get("serial") and cpu > step:
-        step, bound = cpu, "cpu"
-    return Prediction(method, step, {
-        "compute": compute_s, "codec": codec, "exchange": wire_s, "optimizer": opt,
-        "framework": framework, "bytes_sent": sent, "cpu": cpu, "bound": bound,
-        "collectives": len(units)})
+    return wire_s, cpu_coll, first or 0.0, free, tokens
 
 
 def loaded_rate(prof):

@@ -61,7 +61,8 @@ def compare(paths, profile=None, sizes_of=None, **kw):
             prof = fixed or measured.get(r["rate"]) or cpu
             p = steptime.predict(cache[key], r["method"], hosts, r["rate"], base["compute_s"],
                                  prof, latency_s=kw.get("latency_s", 0.0),
-                                 bucket_bytes=bargs.get("bucket_bytes"))
+                                 bucket_bytes=bargs.get("bucket_bytes"),
+                                 burst_bytes=_burst(r["rate"], bargs, kw.get("burst_bytes")))
             rows.append({"source": path, "hosts": hosts, "rate": r["rate"], "model": r["model"],
                          "method": r["method"], "measured_s": r["real_step_s"],
                          "profile": prof.get("name"),
@@ -69,6 +70,16 @@ def compare(paths, profile=None, sizes_of=None, **kw):
                          "bound": p.parts["bound"], "cpus_per_host": r.get("cpus_per_host"),
                          "dilation": r.get("dilation"), **_parts_against(r, p)})
     return rows
+
+
+def _burst(rate, bench_args, burst_bytes=None):
+    """The token bucket of the emulation's links at ``rate`` (each end of every veth is a tc
+    ``tbf`` of that many bytes: :func:`horovod_twobit.cluster.hosts.tbf_burst`), unless
+    ``burst_bytes`` is given."""
+    if burst_bytes is not None:
+        return burst_bytes
+    from .cluster.hosts import tbf_burst
+    return tbf_burst(rate, int(bench_args.get("mtu", 1500)))
 
 
 def _parts_against(r, p):

@@ -87,7 +87,9 @@ def _row(model, method, real, compute=0.1):
 def test_compare_and_summary(tmp_path):
     sizes = {"m": [1 << 20] * 4}
     prof = steptime.load_profile("cpu")
-    pred = {m: steptime.predict(sizes["m"], m, 4, "1gbit", 0.1, prof, latency_s=0.0).step_s
+    from horovod_twobit.cluster.hosts import tbf_burst  # the emulation's links
+    pred = {m: steptime.predict(sizes["m"], m, 4, "1gbit", 0.1, prof, latency_s=0.0,
+                                burst_bytes=tbf_burst("1gbit", 1500)).step_s
             for m in ("none", "twobit", "scatter")}
     rows = [_row("m", "none", pred["none"]), _row("m", "twobit", pred["twobit"] * 1.2),
             _row("m", "scatter", pred["scatter"] / 2), _row("m", "ddp", 1.0),

@@ -142,6 +142,42 @@ def test_fixed_cost_per_collective():
         assert b - a == pytest.approx(collectives * 1e-3) and c.step_s == pytest.approx(b)
 
 
+@pytest.mark.parametrize("method", ["none", "fp16", "twobit", "scatter"])
+def test_token_bucket_sends_its_burst_at_once(method):
+    """A link shaped by a token bucket (tc tbf, the virtual cluster's) sends up to its burst at
+    once: an exchange that fits in it costs what it costs on an infinitely fast link; a bigger
+    one saves at most the burst's bytes at the rate; burst 0 is a plain link; and a bucket that
+    the step's idle link cannot refill saves less than a full one."""
+    small, big = [20000] * 4, [5000000] * 4
+    kw = dict(latency_s=1e-4)
+    plain = steptime.predict(small, method, 8, "100mbit", 0.05, BOUND, **kw).step_s
+    assert steptime.predict(small, method, 8, "100mbit", 0.05, BOUND, burst_bytes=0,
+                            **kw).step_s == plain
+    free = steptime.predict(small, method, 8, "100tbit", 0.05, BOUND, **kw).step_s
+    bucket = steptime.predict(small, method, 8, "100mbit", 0.05, BOUND, burst_bytes=1 << 20, **kw)
+    assert bucket.step_s == pytest.approx(free, rel=1e-6) and free < plain - 1e-3
+    B, beta = 100000, 8 / (1e8 * steptime.TCP_EFFICIENCY)
+    a = steptime.predict(big, method, 8, "100mbit", 0.05, BOUND, **kw).step_s
+    b = steptime.predict(big, method, 8, "100mbit", 0.05, BOUND, burst_bytes=B, **kw).step_s
+    assert a - B * beta * 1.001 <= b < a
+    # no compute: the link is idle only between collectives, so the bucket refills less
+    busy = [steptime.predict(small, method, 8, "100mbit", 0.0, BOUND, burst_bytes=x, **kw).step_s
+            for x in (0, 30000)]
+    idle = [steptime.predict(small, method, 8, "100mbit", 0.2, BOUND, burst_bytes=x, **kw).step_s
+            for x in (0, 30000)]
+    assert 0 < busy[0] - busy[1] < idle[0] - idle[1]
+
+
+def test_validation_predicts_the_emulations_token_bucket():
+    """``advise validate`` gives the emulation's rows the links' own bucket (each veth end is a
+    tbf of ``tbf_burst(rate, mtu)`` bytes) unless told otherwise."""
+    from horovod_twobit import validate
+    from horovod_twobit.cluster.hosts import tbf_burst
+    assert validate._burst("100mbit", {}) == tbf_burst("100mbit", 1500) >= 64 * 1024
+    assert validate._burst("1gbit", {"mtu": 9000}) == tbf_burst("1gbit", 9000)
+    assert validate._burst("1gbit", {}, burst_bytes=0) == 0
+
+
 def test_fusion_saves_messages():
     sizes = [1000] * 200
     fused = steptime.predict(sizes, "none", 32, "10gbit", 0.001, BOUND, latency_s=1e-4)
