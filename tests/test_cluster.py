@@ -335,7 +335,7 @@ def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", "bench_cluster.py"), "--hosts", "2",
          "--rates", "1gbit", "--models", "", "--calibrate", "--calibrate-sizes", "16384,65536",
-         "--calibrate-min-wall", "0.02", "--steps", "2", "--iface", "hvdbench", "--subnet",
+         "--calibrate-min-wall", "0.02", "--steps", "5", "--iface", "hvdbench", "--subnet",
          "10.77.2.0/24", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from horovod_twobit import steptime
