@@ -37,14 +37,20 @@ def compare(paths, profile=None, sizes_of=None, **kw):
     row's measured compute (the model's input), the same for every method of the cell.
     ``profile``: the device profile for every row; None (default): the profile bench_cluster
     measured on the rows' own hosts (``--calibrate``, its JSON's "profiles" by rate) where there
-    is one, else "cpu"."""
+    is one, else "cpu". ``combine=True``: several runs of a cluster count as one
+    (:func:`combined`); ``burst_bytes``: the links' token bucket (default: the emulation's,
+    :func:`_burst`); ``latency_s`` (default 0: the emulation adds none)."""
     sizes_of = sizes_of or bench_sizes
     fixed = steptime.load_profile(profile) if profile is not None else None
     cpu = steptime.load_profile("cpu")  # for rows without a measured profile
     rows, cache = [], {}
+    loaded = []
     for path in paths:
         with open(path) as f:
-            data = json.load(f)
+            loaded.append((path, json.load(f)))
+    if kw.get("combine"):
+        loaded = combined(loaded)
+    for path, data in loaded:
         measured = data.get("profiles", {})
         bargs = data.get("args", {})
         hosts = int(bargs.get("hosts", 4))
@@ -70,6 +76,41 @@ def compare(paths, profile=None, sizes_of=None, **kw):
                          "bound": p.parts["bound"], "cpus_per_host": r.get("cpus_per_host"),
                          "dilation": r.get("dilation"), **_parts_against(r, p)})
     return rows
+
+
+MEASURED = ("real_step_s", "compute_s", "codec_s", "wait_s", "cpu_step_s")
+
+
+def combined(loaded):
+    """``[(source, bench_cluster JSON)]`` with the runs of one cluster (the same hosts and
+    arguments that shape the models) made one: each (model, method, rate) row at the median of
+    its runs' measured figures (:data:`MEASURED`), its profiles the first run's. The source
+    names the runs' files."""
+    def cluster(data):
+        a = data.get("args", {})
+        return json.dumps([a.get(k) for k in ("hosts", "mlp_hidden", "mlp_in", "cnn_channels",
+                                              "bucket_bytes")])
+    groups = {}
+    for path, data in loaded:
+        groups.setdefault(cluster(data), []).append((path, data))
+    out = []
+    for runs in groups.values():
+        by_row = {}
+        for _, data in runs:
+            for r in data["results"]:
+                if not r.get("failed"):
+                    by_row.setdefault((r["model"], r["method"], r["rate"]), []).append(r)
+        results = []
+        for same in by_row.values():
+            r = dict(same[0], runs=len(same))
+            for k in MEASURED:
+                xs = [x[k] for x in same if x.get(k) is not None]
+                r[k] = statistics.median(xs) if xs else None
+            results.append(r)
+        first = runs[0][1]
+        out.append((" + ".join(p for p, _ in runs),
+                    dict(first, results=results, profiles=first.get("profiles", {}))))
+    return out
 
 
 def _burst(rate, bench_args, burst_bytes=None):
@@ -115,9 +156,11 @@ def main_validate(argv):
     p.add_argument("--profile", default=None,
                    help="device profile for every row (default: the one bench_cluster measured "
                         "on the rows' hosts with --calibrate, else cpu)")
+    p.add_argument("--combine", action="store_true",
+                   help="several runs of a cluster as one: each row at the median of its runs")
     p.add_argument("--json-out", help="also write the rows and summary here")
     args = p.parse_args(argv)
-    rows = compare(args.json, args.profile)
+    rows = compare(args.json, args.profile, combine=args.combine)
     print("| source | N | rate | model | method | measured (s) | predicted (s) | error | "
           "model's bound | codec measured / predicted (ms) | spread (ms) |")
     print("|---|---:|---|---|---|---:|---:|---:|---|---:|---:|")

@@ -109,6 +109,30 @@ def test_compare_and_summary(tmp_path):
     assert s["fastest_hits"] == int(fastest_measured == fastest_predicted) and s["cells"] == 1
 
 
+def test_runs_of_a_cluster_combine_at_their_median(tmp_path):
+    """``combine``: the same cluster's rows from several runs are one row each, measured at the
+    median of the runs (compute, codec and wait too); other clusters stay apart; without it
+    each run is its own."""
+    sizes = {"m": [1 << 20] * 4}
+    runs = [[_row("m", "none", 0.30 + d, 0.10 + d), _row("m", "twobit", 0.20 + 2 * d)]
+            for d in (0.0, 0.03, 0.01)]
+    for rs, codec in zip(runs, (0.004, 0.001, 0.002)):
+        rs[1]["codec_s"] = codec
+    paths = [_bench_json(tmp_path / ("r%d.json" % i), rs) for i, rs in enumerate(runs)]
+    other = _bench_json(tmp_path / "h8.json", [_row("m", "none", 0.5)], hosts=8)
+    got = advise.compare(paths + [other], "cpu", sizes_of=lambda model, args: sizes[model],
+                         combine=True)
+    by = {(r["hosts"], r["method"]): r for r in got}
+    assert len(got) == 3 and by[(8, "none")]["measured_s"] == 0.5
+    assert by[(4, "none")]["measured_s"] == pytest.approx(0.31)
+    assert by[(4, "twobit")]["measured_s"] == pytest.approx(0.22)
+    assert by[(4, "twobit")]["codec_measured_s"] == pytest.approx(0.002)
+    # the cell's compute, the model's input, is the median run's too: as run 3's prediction
+    alone = advise.compare([paths[2]], "cpu", sizes_of=lambda model, args: sizes[model])
+    assert by[(4, "twobit")]["predicted_s"] == pytest.approx(alone[1]["predicted_s"])
+    assert len(advise.compare(paths, "cpu", sizes_of=lambda model, args: sizes[model])) == 6
+
+
 def test_validate_cli_on_bench_output(tmp_path):
     rows = [_row("mlp", m, 0.05, 0.01) for m in ("none", "twobit", "scatter")]
     path = tmp_path / "bench_cluster.json"

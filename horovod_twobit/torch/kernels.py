@@ -4,7 +4,8 @@ after the gather: the residual update and the decode-sum), and the plain commit 
 The bodies are plain torch ops. For tensors of at least ``COMPILE_MIN_NUMEL`` values they run
 through ``torch.compile`` (Inductor fuses each body into one vectorized loop on CPU and GPU); below
 that, or where compilation is unavailable or disabled (``HOROVOD_TWOBIT_COMPILE=0``), the same
-bodies run eagerly. Both paths give the same bits: the bodies use only exact float32 operations
+bodies run eagerly. The scatter exchange's chunks of a bucket choose by the bucket's size
+(:func:`sized_as`, :func:`compiles`). Both paths give the same bits: the bodies use only exact float32 operations
 (add, compare, subtract a threshold, select, one division, one multiplication) whose results do
 not depend on fusion. (On a GPU, Triton's float32 division is approximate: compilations ask
 Inductor for a correctly rounded one where it offers it, else the division runs eagerly after
