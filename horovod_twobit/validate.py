@@ -84,8 +84,8 @@ MEASURED = ("real_step_s", "compute_s", "codec_s", "wait_s", "cpu_step_s")
 def combined(loaded):
     """``[(source, bench_cluster JSON)]`` with the runs of one cluster (the same hosts and
     arguments that shape the models) made one: each (model, method, rate) row at the median of
-    its runs' measured figures (:data:`MEASURED`), its profiles the first run's. The source
-    names the runs' files."""
+    its runs' measured figures (:data:`MEASURED`), with each rate's profile from the first run
+    that has one. The source names the runs' files."""
     def cluster(data):
         a = data.get("args", {})
         return json.dumps([a.get(k) for k in ("hosts", "mlp_hidden", "mlp_in", "cnn_channels",
@@ -107,9 +107,12 @@ def combined(loaded):
                 xs = [x[k] for x in same if x.get(k) is not None]
                 r[k] = statistics.median(xs) if xs else None
             results.append(r)
-        first = runs[0][1]
+        profiles = {}
+        for _, data in runs:  # by rate: a run's own, the first run's where several have one
+            for rate, prof in data.get("profiles", {}).items():
+                profiles.setdefault(rate, prof)
         out.append((" + ".join(p for p, _ in runs),
-                    dict(first, results=results, profiles=first.get("profiles", {}))))
+                    dict(runs[0][1], results=results, profiles=profiles)))
     return out
 
 

@@ -131,6 +131,17 @@ def test_runs_of_a_cluster_combine_at_their_median(tmp_path):
     alone = advise.compare([paths[2]], "cpu", sizes_of=lambda model, args: sizes[model])
     assert by[(4, "twobit")]["predicted_s"] == pytest.approx(alone[1]["predicted_s"])
     assert len(advise.compare(paths, "cpu", sizes_of=lambda model, args: sizes[model])) == 6
+    # runs of one cluster at two rates: each rate's rows keep the profile measured at that rate
+    prof = steptime.load_profile("cpu")
+    for rate, name in (("1gbit", "measured-1g"), ("100mbit", "measured-100m")):
+        rows = [dict(_row("m", m, 0.3), rate=rate) for m in ("none", "twobit")]
+        (tmp_path / rate).write_text(json.dumps({"args": {"hosts": 8}, "results": rows,
+                                                 "profiles": {rate: dict(prof, name=name)}}))
+    got = advise.compare([str(tmp_path / "1gbit"), str(tmp_path / "100mbit")],
+                         sizes_of=lambda model, args: sizes[model], combine=True)
+    assert sorted((r["rate"], r["profile"]) for r in got) == [
+        ("100mbit", "measured-100m"), ("100mbit", "measured-100m"),
+        ("1gbit", "measured-1g"), ("1gbit", "measured-1g")]
 
 
 def test_validate_cli_on_bench_output(tmp_path):
