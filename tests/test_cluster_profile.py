@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from horovod_twobit import calibrate, cluster_profile, steptime
+from horovod_twobit import calibrate, cluster_profile, collectives, steptime
 from horovod_twobit import validate
 
 
@@ -40,7 +40,7 @@ def test_from_cluster_takes_the_median_host_and_the_collective_cost():
     assert prof["allreduce1_s"] == 2e-3 and prof["serial"] and prof["kind"] == "measured"
     # the model, given the profile, charges a one-value allreduce what was measured
     wire = steptime.Wire.of_link(4, "1gbit", 0.0, prof, cycle_s=1e-3)
-    one = wire.cycle_s / 2 + wire.fixed + steptime._collective_s("allreduce", 4, 4, 1, wire, prof)
+    one = wire.cycle_s / 2 + wire.fixed + collectives.collective_seconds("allreduce", 4, 4, 1, wire, prof)
     assert one == pytest.approx(2e-3, rel=1e-3)
     steptime.load_profile(prof)  # a valid profile
 
@@ -149,8 +149,8 @@ def test_the_float16_sum_is_measured_against_float32_of_the_same_bytes():
     assert prof["sum_fp16_s"] == pytest.approx(s16)  # the host profile's float32 sum is s32
     assert prof["sum_fp16_proxy_s"] == _host(1.0)["sum_fp16_s"] and prof["half_sum"] == per_host
     wire = steptime.Wire.of_link(N, "1gbit", 0.0, prof)
-    half = steptime._collective_s("allreduce", N, 2 * n, n, wire, prof, dtype_bytes=2)
-    single = steptime._collective_s("allreduce", N, 2 * n, n // 2, wire, prof)
+    half = collectives.collective_seconds("allreduce", N, 2 * n, n, wire, prof, dtype_bytes=2)
+    single = collectives.collective_seconds("allreduce", N, 2 * n, n // 2, wire, prof)
     assert half - single == pytest.approx(per_host[0]["fp16_cpu_s"] - per_host[0]["fp32_cpu_s"])
     # a float16 allreduce measured cheaper than float32's is clamped, never a negative cost
     fast = [dict(h, fp16_cpu_s=h["fp32_cpu_s"] - 1.0) for h in per_host]
@@ -188,9 +188,9 @@ def test_a_collective_during_backward_waits_for_the_core():
     rate = steptime.loaded_rate(prof)
     assert rate == pytest.approx((2e-3 - extra) / (20e-3 - extra))
     # all of it after backward, all of it before, and across the end of backward
-    assert steptime._collective_end(5.0, 1.0, 4.0, 0.25) == 6.0
-    assert steptime._collective_end(0.0, 1.0, 8.0, 0.25) == 4.0
-    assert steptime._collective_end(2.0, 1.0, 4.0, 0.25) == pytest.approx(4.5)
+    assert collectives.collective_end(5.0, 1.0, 4.0, 0.25) == 6.0
+    assert collectives.collective_end(0.0, 1.0, 8.0, 0.25) == 4.0
+    assert collectives.collective_end(2.0, 1.0, 4.0, 0.25) == pytest.approx(4.5)
     # no slowdown without the loaded figure, on a host that is not one core, or measured faster
     assert "collective_loaded_s" not in cluster_profile.from_cluster([_host(1.0)], 2e-3, 4)
     assert steptime.loaded_rate(dict(prof, serial=False)) == 1.0
