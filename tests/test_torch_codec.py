@@ -99,6 +99,17 @@ def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path, chu
         got = kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5)
         want = ref.aggregate([ref.decode(w.numpy(), n, 0.1) for w in rows], "average", 0.5, 1.0)
         np.testing.assert_array_equal(got.numpy(), want)
+        # into a kept buffer, and in the GPU's order of work (the division after the pass)
+        late_division = kernels._late_division
+        for late in (False, True):
+            monkeypatch.setattr(kernels, "_late_division", lambda dev, numel, late=late: late)
+            buf = torch.full((16 * wire.num_words(n),), 7.0)
+            got = kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5, out=buf)
+            np.testing.assert_array_equal(got.numpy(), want)
+            assert got.data_ptr() == buf.data_ptr() and not buf[n:].any()
+            np.testing.assert_array_equal(
+                kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5).numpy(), want)
+        monkeypatch.setattr(kernels, "_late_division", late_division)
     assert not kernels._disabled, "compilation failed and fell back to eager"
 
 

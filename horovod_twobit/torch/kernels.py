@@ -383,20 +383,22 @@ def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0, out=None):
     args = ([w[:nw] for w in rows], [_head(_t(t, dev), nw) for t in thresholds], _shifts(dev))
     if out is None:
         return call_divided("decode", numel, dev, *args, divisor=divisor, scale=scale)[:numel]
-    late = _late_division(dev, numel)
-    _call("decode_into", numel, *args, None if late else divisor, scale, out.view(nw, 16))
-    if late:
-        out.div_(divisor).mul_(scale)
+    call_divided("decode_into", numel, dev, *args, divisor=divisor, scale=scale,
+                 out=out.view(nw, 16))
     return out[:numel]
 
 
-def call_divided(name, numel, device, *args, divisor, scale):
-    """:func:`_call` of a body whose last two arguments are a divisor and a scale (it returns
-    x / divisor * scale): where the division must be late (:func:`_late_division`), the body
-    runs without them and an eager, correctly rounded division follows."""
+def call_divided(name, numel, device, *args, divisor, scale, out=None):
+    """:func:`_call` of a body that takes a divisor and a scale after ``args`` (then ``out``, where
+    given) and gives x / divisor * scale (returned, or written into ``out``): where the
+    division must be late (:func:`_late_division`), the body runs without them and an eager,
+    correctly rounded division follows. Returns the result (``out`` where given)."""
+    tail = () if out is None else (out,)
     if _late_division(device, numel):
-        return _call(name, numel, *args, None, None).div_(divisor).mul_(scale)
-    return _call(name, numel, *args, divisor, scale)
+        x = _call(name, numel, *args, None, None, *tail)
+        return (x if out is None else out).div_(divisor).mul_(scale)
+    x = _call(name, numel, *args, divisor, scale, *tail)
+    return x if out is None else out
 
 
 def _late_division(device, numel):

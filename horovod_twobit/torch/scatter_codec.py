@@ -271,7 +271,7 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
     spans = [(s, n) for s, n in zip(layout.starts, layout.numels)]
     # then each chunk's commit and decode share one pass; not where the compiled pass cannot
     # divide correctly rounded (a GPU whose Inductor lacks the option: kernels._late_division)
-    late = any(kernels._late_division(dev, chunks.values(c)) for c in range(N))
+    late = kernels._late_division(dev, layout.values)  # every chunk decides as the bucket
     fused = not any(bad) and not layout.auto and not late
     if not fused:  # the commit first, of the members that held no NaN or Inf (it reads g)
         for s, e in _good_runs(layout, bad):
