@@ -84,7 +84,8 @@ def collective_seconds(kind, nranks, nbytes, values, wire, prof, dtype_bytes=4, 
         # nbytes: what this rank sends to the others. Gloo posts the N - 1 sends and receives at
         # once: one latency, and the software cost of every message; twice (the splits first)
         link_latency = alpha - prof["message_s"]
-        return 2 * (link_latency + (N - 1) * prof["message_s"]) + sent_bytes(kind, N, nbytes) * beta
+        return (2 * (link_latency + (N - 1) * prof["message_s"])
+                + sent_bytes(kind, N, nbytes) * beta)
     if kind == "scatter_allgather":  # the owners' sums, ring; nbytes: this rank's share already
         return (N - 1) * alpha + sent_bytes(kind, N, nbytes) * beta
     raise ValueError(kind)
@@ -116,8 +117,8 @@ def schedule(order, N, wire, prof, fusion_bytes, backward_end, busy_rate, tokens
             nvalues += u.values
         for item in batch:
             pending.remove(item)
-        dur = collective_seconds(kind, N, nbytes, nvalues, wire, prof, batch[0][2].dtype_bytes,
-                            len(batch))
+        dur = collective_seconds(kind, N, nbytes, nvalues, wire, prof,
+                                 batch[0][2].dtype_bytes, len(batch))
         if kind == "allreduce":  # the reduction and the copies: CPU work
             cpu_coll += dur - (2 * (N - 1) * wire.alpha + sent_bytes(kind, N, nbytes) * wire.beta)
         if wire.burst:

@@ -82,14 +82,14 @@ MEASURED = ("real_step_s", "compute_s", "codec_s", "wait_s", "cpu_step_s")
 
 
 def combined(loaded):
-    """``[(source, bench_cluster JSON)]`` with the runs of one cluster (the same hosts and
-    arguments that shape the models) made one: each (model, method, rate) row at the median of
+    """``[(source, bench_cluster JSON)]`` with the runs of one cluster (the same hosts, quota,
+    dilation and arguments that shape the models) made one: each (model, method, rate) row at the median of
     its runs' measured figures (:data:`MEASURED`), with each rate's profile from the first run
     that has one. The source names the runs' files."""
     def cluster(data):
         a = data.get("args", {})
-        return json.dumps([a.get(k) for k in ("hosts", "mlp_hidden", "mlp_in", "cnn_channels",
-                                              "bucket_bytes")])
+        return json.dumps([a.get(k) for k in ("hosts", "cpus_per_host", "dilation", "mlp_hidden",
+                                              "mlp_in", "cnn_channels", "bucket_bytes")])
     groups = {}
     for path, data in loaded:
         groups.setdefault(cluster(data), []).append((path, data))
