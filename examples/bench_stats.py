@@ -3,12 +3,17 @@ than the difference of two medians of ``bench_buckets --read-stats``: four insta
 model, optimizer and compressor take turns, step by step, for ``--rounds`` rounds. ``never`` and
 ``never2`` are never read (their difference is the noise between instances); ``every`` is read
 after each of its steps (the read inside its timed step); ``once`` was read once before the timing
-(so its steps do what a first read turns on) and is then only stepped. Run with two ranks::
+(so its steps do what a first read turns on) and is then only stepped. Run with two ranks and
+Gloo, as ``bench_buckets`` runs its jobs::
 
-    horovodrun -np 2 -H localhost:2 python -m examples.bench_stats --framework torch \\
+    horovodrun -np 2 -H localhost:2 --gloo python -m examples.bench_stats --framework torch \\
         --method twobit --rounds 300
 
-On localhost the network is free: the figures are bounded by the CPU the ranks share. Rank 0
+On localhost the network is free: the figures are bounded by the CPU the ranks share. With
+Open MPI instead, Horovod's background thread polls inside its collectives, taking CPU from the
+ranks' own threads on a machine with no core to spare (here 2 ranks on 2 cores: the same MLP
+step 10.1-10.8 ms against 6.4-6.9 ms with Gloo, or with ``OMPI_MCA_mpi_yield_when_idle=1``), and
+every microsecond of a rank's own work then costs several in the step. Rank 0
 prints each instance's median step (ms, the slower rank's) and the differences of
 ``every`` and ``once`` to the two never-read instances: the whole cost of reading every step, and
 the step's own share of it. Models and methods are those of :mod:`examples.bench_buckets`

@@ -316,11 +316,11 @@ def test_torch_norms_computed_by_the_step_are_read_until_the_residuals_change():
                              current_residual=lambda: current)
     read = stats_read.bucket_norms(bucket)
     assert read() == (pytest.approx(40 / 16), 0.25)  # nothing kept: the residual itself
-    stats_read.step_norms(bucket, torch.full([40], -3.0))  # norms of a residual the step made
+    stats_read.step_norms(bucket, stats_read.pair(torch.full([40], -3.0)))  # the step's norms
     assert read() == (pytest.approx(40 * 9.0), 3.0)
     bucket.steps += 1  # a later step that kept nothing: they are stale
     assert read() == (pytest.approx(40 / 16), 0.25)
-    stats_read.step_norms(bucket, torch.full([40], 2.0))
+    stats_read.step_norms(bucket, stats_read.pair(torch.full([40], 2.0)))
     assert read() == (pytest.approx(40 * 4.0), 2.0)
     reg.reset()
     for _ in range(2):  # stale: read from the residual, however often, until the next step
@@ -333,6 +333,32 @@ def test_torch_norms_computed_by_the_step_are_read_until_the_residuals_change():
     real.compressor.stats()
     real.compressor.stats()
     assert [real.prepares_stats() for _ in range(2)] == [True, False]
+
+
+@pytest.mark.parametrize("numel", [5000, 70001])  # eager and compiled; a partial last word
+@pytest.mark.parametrize("per_word", [False, True])
+def test_torch_committed_norms_are_those_of_the_residual_the_commit_leaves(numel, per_word):
+    """PyTorch: the norms a step prepares before its finish (``committed_norms``, from the
+    residual and gradient it encoded) are those of the residual ``kernels.commit`` then leaves:
+    its largest |r| exactly, its sum of squares to float32 summation; nothing is written."""
+    torch = pytest.importorskip("torch")
+    from horovod_twobit import wire
+    from horovod_twobit.torch import kernels, stats_read
+    gen = torch.Generator().manual_seed(numel)
+    r = torch.randn(numel, generator=gen) * 0.3
+    g = torch.randn(numel, generator=gen)
+    t, v = 0.5, None
+    if per_word:  # "auto": a threshold and a magnitude per word
+        words = wire.num_words(numel)
+        t = torch.rand(words, generator=gen) + 0.25
+        v = t * 1.5
+    r0, g0 = r.clone(), g.clone()
+    sq, mx = stats_read.committed_norms(r, g, t, v)
+    assert torch.equal(r, r0) and torch.equal(g, g0)
+    kernels.commit(r, g, t, v)
+    assert not torch.equal(r, r0)
+    assert float(mx) == float(r.abs().max())
+    assert float(sq) == pytest.approx(float(r.double().square().sum()), rel=1e-5)
 
 
 def test_bucket_benchmark_times_a_stats_reading_twin_of_each_compressed_method():

@@ -43,12 +43,10 @@ class Flight:
         self.t, self.v = codec.encode_payload(layout, self.r, self.g, c.threshold, c.auto_rule,
                                               payload)
         self.prepares_stats = bucket.prepares_stats()
-        if self.prepares_stats and payload.device.type == "cpu":  # counted while in cache
-            counts = stats.payload_counts(layout, payload.numpy(), c.threshold)
-            reader = lambda: counts  # noqa: E731
-        else:  # counted when read (on a GPU: one copy to the host then)
-            reader = lambda: stats.payload_counts(  # noqa: E731
-                layout, payload.cpu().numpy(), c.threshold)
+        self._stats_payload, counted = payload, []
+        reader = lambda: counted[0] if counted else stats.payload_counts(  # noqa: E731
+            layout, payload.cpu().numpy(), c.threshold)  # on a GPU: one copy to the host, read
+        self._counted = counted
         c.stats_log.sent(bucket.key, bucket.names, self.EXCHANGE,
                          bucket.sent_bytes(self.nranks, process_set.rank(), self.EXCHANGE),
                          reader, bucket.values, bucket.norms)
@@ -78,8 +76,25 @@ class Flight:
 
     def wait(self):
         if self.results is None:
+            self._norms = None
+            if self.prepares_stats and not self.poll():  # the rank would sleep: prepare now
+                self._prepare_stats(self.r, self.g)
             self.results = self._finish(self._collect())
         return self.results
+
+    def _prepare_stats(self, r, g=None):
+        """What the next ``stats()`` read takes: on a CPU the payload's code counts, and the
+        residual's norms: with ``g``, before the finish, of the residual it is about to commit
+        (:func:`stats_read.committed_norms`, a pass over r and g: done while the collective is
+        in flight), else of ``r`` as the finish left it (cheaper, but on the step's path)."""
+        b, payload = self.bucket, self._stats_payload
+        if payload.device.type == "cpu" and not self._counted:
+            self._counted.append(stats.payload_counts(b.layout, payload.numpy(),
+                                                      b.compressor.threshold))
+        if g is None:
+            self._norms = stats_read.pair(r.reshape(-1))
+        else:
+            self._norms = stats_read.committed_norms(r, g, self.t, self.v)
 
     def _collect(self):
         progress.wait(lambda: mpi_ops.poll(self.handle))
@@ -100,8 +115,10 @@ class Flight:
         b = self.bucket
         b.compressor.stats_log.finished(self.nonfinite)
         b.steps += 1
-        if self.prepares_stats:  # the norms while the residual is in cache
-            stats_read.step_norms(b, self.r)
+        if self.prepares_stats and not self.nonfinite:  # else read from the residuals
+            if self._norms is None:  # the collective was done before the wait
+                self._prepare_stats(self.r)
+            stats_read.step_norms(b, self._norms)
         return res
 
     def _results(self, gathered):

@@ -308,18 +308,29 @@ def commit(r, g, threshold, magnitude=None):
     """r <- (r + g) - q in place (r 1-D contiguous float32, g 1-D of the same length); q is
     +-magnitude (default: the threshold) where |r + g| reaches the threshold. Either may be one
     per word (:func:`per_word`)."""
+    if r.numel():
+        over_words("commit", r, g, threshold, magnitude)
+
+
+def over_words(name, r, g, threshold, magnitude=None):
+    """The results of body ``name`` (r, g, threshold, magnitude; elementwise over r and g) over
+    1-D ``r`` and ``g`` (non-empty): one call when the threshold and magnitude are numbers or 0-d,
+    else one over the whole words' (w, 16) views with per-word columns and one, eager, over the
+    last partial word."""
     n = r.numel()
-    if n:
-        t = _t(threshold, r.device)
-        v = t if magnitude is None else _t(magnitude, r.device)
-        if not (t.dim() or v.dim()):
-            return _call("commit", n, r, g, t, v)
-        m = n - n % wire.VALUES_PER_WORD
-        w = m // wire.VALUES_PER_WORD
-        if m:
-            _call("commit", n, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w), _head(v, w))
-        if m < n:
-            _commit_body(r[m:], g[m:], _at(t, w), _at(v, w))
+    t = _t(threshold, r.device)
+    v = t if magnitude is None else _t(magnitude, r.device)
+    if not (t.dim() or v.dim()):
+        return [_call(name, n, r, g, t, v)]
+    m = n - n % wire.VALUES_PER_WORD
+    w = m // wire.VALUES_PER_WORD
+    out = []
+    if m:
+        out.append(_call(name, n, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w),
+                         _head(v, w)))
+    if m < n:
+        out.append(_BODIES[name](r[m:], g[m:], _at(t, w), _at(v, w)))
+    return out
 
 
 _SHIFTS = {}
