@@ -6,14 +6,14 @@ import torch
 
 from horovod_twobit import reference as ref
 from horovod_twobit import wire
-from horovod_twobit.torch import TwoBitCompressor, kernels, levels
+from horovod_twobit.torch import TwoBitCompressor, compiled, kernels, levels
 
 
 @pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms", "mean*3", "lsq*2"])
 @pytest.mark.parametrize("path", ["eager", "compiled"])
 @pytest.mark.parametrize("n", [0, 1, 17, 5000, 100003])
 def test_auto_threshold_matches_reference(monkeypatch, rule, path, n):
-    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
     rng = np.random.default_rng(n)
     r = (rng.standard_normal(n) * 0.01).astype(np.float32)
     g = (rng.standard_normal(n) * rng.choice([0.001, 0.1, 3.0], n)).astype(np.float32)
@@ -39,7 +39,7 @@ def _spread(rng, shape):
 def test_levels_of_widely_spread_magnitudes(monkeypatch, rule, path):
     """Summation orders differ (the reference's pairwise sums, the kernels' vector lanes and
     broadcasts), yet the levels are the reference's bits: each is rounded to float32 once."""
-    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
     rng = np.random.default_rng(2024)
     for rows, n in [(200, 64), (60, 1000), (3, 40000), (1, 7)]:
         r, g = _spread(rng, (rows, n)), _spread(rng, (rows, n))
@@ -139,7 +139,7 @@ def test_rule_argument_environment_and_default(monkeypatch):
 def test_block_levels_match_reference(monkeypatch, rule, path, n, block):
     """block=B: one (threshold, magnitude) per block of B values (the last one may be shorter),
     the pack and the commit use each value's block, bit for bit as the reference."""
-    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 1 << 62 if path == "eager" else 0)
+    monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 1 << 62 if path == "eager" else 0)
     if "chunks" in path:  # the pack's chunks cut blocks: each chunk takes its words' thresholds
         monkeypatch.setattr(kernels, "PACK_CHUNK", 48)
     dev = "cuda" if path == "cuda" else "cpu"

@@ -11,7 +11,7 @@ import torch
 from horovod_twobit import reference as ref
 from horovod_twobit import wire
 from horovod_twobit.layout import Layout, assign_buckets
-from horovod_twobit.torch import codec, kernels
+from horovod_twobit.torch import codec, compiled
 
 SIZES = [1, 15, 16, 17, 40, 480, 1000, 9216, 70003]
 
@@ -86,7 +86,7 @@ def test_segment_levels_are_each_blocks_levels(monkeypatch, rule, path):
     """codec.segment_levels gathers a bucket's segments into tables (small groups of different
     lengths share one, rows padded); each segment's levels are still the reference's for that
     block alone, with empty members, zeros, NaN and Inf among them, and for a tensor alone."""
-    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
     sizes = [0, 10, 32, 33, 64, 100, 200, 257, 1000, 9216, 12288, 4096, 0, 70003, 5]
     rng = np.random.default_rng(5)
     for step in range(2):
@@ -135,7 +135,7 @@ def test_one_member_sends_the_single_tensor_payload():
 
 
 @pytest.mark.parametrize("threshold", [0.5, "auto"])
-@pytest.mark.parametrize("middle", [17, kernels.COMPILE_MIN_NUMEL + 7])  # eager, compiled codec
+@pytest.mark.parametrize("middle", [17, compiled.COMPILE_MIN_NUMEL + 7])  # eager, compiled codec
 def test_nonfinite_member_is_nan_everywhere_and_keeps_its_residual(threshold, middle):
     sizes = [40, middle, 300]
     layout = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold))

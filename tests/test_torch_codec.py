@@ -80,13 +80,13 @@ def test_cuda_matches_cpu():
 def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path, chunk):
     """Both paths, with the packing done in one chunk or in many (48 values: 3 words each), or
     in one pass of whole words as on a GPU."""
-    from horovod_twobit.torch import kernels
+    from horovod_twobit.torch import compiled, kernels
     if chunk == "one pass":
         monkeypatch.setattr(kernels, "_one_pass", lambda device: True)
     else:
         monkeypatch.setattr(kernels, "PACK_CHUNK", chunk)
-    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
-    monkeypatch.setattr(kernels, "_disabled", False)
+    monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    monkeypatch.setattr(compiled, "disabled", False)
     for n in (16, 1000, 4099):
         r_ref, r = np.zeros(n, np.float32), torch.zeros(n)
         for g in _grads(n, 0.1, 2, n):
@@ -110,7 +110,7 @@ def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path, chu
             np.testing.assert_array_equal(
                 kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5).numpy(), want)
         monkeypatch.setattr(kernels, "_late_division", late_division)
-    assert not kernels._disabled, "compilation failed and fell back to eager"
+    assert not compiled.disabled, "compilation failed and fell back to eager"
 
 
 @pytest.mark.parametrize("way", ["chunks", "one pass", pytest.param(
@@ -120,7 +120,7 @@ def test_pack_words_and_word_flags(monkeypatch, way, per_word):
     """kernels.pack from COMPILE_MIN_NUMEL values, in cache-sized chunks (a CPU) or in one pass
     of whole words (a GPU): the reference's words for a threshold or one per word, the flag and
     each word's NaN/Inf flag, r and g untouched; the partial last word included."""
-    from horovod_twobit.torch import kernels
+    from horovod_twobit.torch import compiled, kernels
     if way != "cuda":  # a GPU packs in one pass anyway
         monkeypatch.setattr(kernels, "_one_pass", lambda device: way == "one pass")
     monkeypatch.setattr(kernels, "PACK_CHUNK", 1 << 16)
@@ -143,7 +143,7 @@ def test_pack_words_and_word_flags(monkeypatch, way, per_word):
         assert sorted(torch.nonzero(flags).view(-1).tolist()) == sorted({i // 16 for i in bad})
         assert torch.equal(R.cpu(), torch.from_numpy(r))
         assert torch.equal(G.isnan().cpu(), torch.from_numpy(np.isnan(gb)))
-    assert not kernels._disabled, "compilation failed and fell back to eager"
+    assert not compiled.disabled, "compilation failed and fell back to eager"
 
 
 @pytest.mark.parametrize("path", ["eager", "compiled"])
@@ -152,9 +152,9 @@ def test_pack_words_and_word_flags(monkeypatch, way, per_word):
 def test_finish_commits_and_decodes_in_one_pass(monkeypatch, path, dtype, into):
     """kernels.finish = commit (r <- r + g - q) + decode-sum, written over g or into a new tensor:
     the reference's bits either way, the tail of a partial last word included."""
-    from horovod_twobit.torch import kernels
-    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
-    monkeypatch.setattr(kernels, "_disabled", False)
+    from horovod_twobit.torch import compiled, kernels
+    monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    monkeypatch.setattr(compiled, "disabled", False)
     for n in (16, 1000, 4099):
         g = torch.from_numpy(_grads(n, 0.1, 1, n + 1)[0]).to(dtype)
         g32 = g.float().numpy()
@@ -168,7 +168,7 @@ def test_finish_commits_and_decodes_in_one_pass(monkeypatch, path, dtype, into):
         assert got is (g if out is None else out)
         np.testing.assert_array_equal(r.numpy(), r_ref)
         np.testing.assert_array_equal(got.numpy(), torch.from_numpy(want_sum).to(dtype).numpy())
-    assert not kernels._disabled, "compilation failed and fell back to eager"
+    assert not compiled.disabled, "compilation failed and fell back to eager"
 
 
 def _free_memory_bytes():
@@ -183,8 +183,8 @@ def _free_memory_bytes():
 @pytest.mark.skipif(_free_memory_bytes() < 16 * 2 ** 30, reason="needs 16 GiB of free memory")
 def test_payload_of_more_than_2_to_the_31_bits():
     """2^30 + 17 values: 2^31 + 34 bits of payload; indexing past 2^31 must not wrap."""
-    from horovod_twobit.torch import kernels
-    if kernels._disabled:
+    from horovod_twobit.torch import compiled
+    if compiled.disabled:
         pytest.skip("needs the compiled kernels (the eager path's temporaries would not fit)")
     n = 2 ** 30 + 17
     g = torch.full((n,), 0.25)
@@ -205,3 +205,19 @@ def test_payload_of_more_than_2_to_the_31_bits():
     out = decode(words, n, 0.5)
     np.testing.assert_array_equal(out[k:].numpy(), ref.decode(want, n - k, 0.5))
     assert out[:4].tolist() == [0.5, -0.5, 0.0, 0.5]
+
+
+@pytest.mark.parametrize("args,row", [
+    (["--frameworks", "torch", "--sizes", "4096", "--paths", "compiled,eager"],
+     ["| torch | cpu | 4096 | compiled |", "| torch | cpu | 4096 | eager |"]),
+    (["--owner", "--sizes", "4096", "--ranks", "2"], ["| torch | 4096 | 2 |"])])
+def test_codec_benchmark_runs(args, row):
+    """``python -m horovod_twobit.benchmarks.codec`` (the README's and docs' figures) runs and
+    prints a row for each path it was asked for."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "horovod_twobit.benchmarks.codec"] + args,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for r in row:
+        assert r in proc.stdout, proc.stdout

@@ -21,10 +21,10 @@ DEVICES = ["cpu", "cpu, late division", pytest.param(
 
 
 def _device(monkeypatch, device):
-    from horovod_twobit.torch import kernels
+    from horovod_twobit.torch import compiled, kernels
     if device == "cpu, late division":
         monkeypatch.setattr(kernels, "_late_division",
-                            lambda dev, n: n >= kernels.COMPILE_MIN_NUMEL and not kernels._disabled)
+                            lambda dev, n: n >= compiled.COMPILE_MIN_NUMEL and not compiled.disabled)
     return device.split(",")[0]
 
 
@@ -95,9 +95,9 @@ def test_auto_results_decode_in_parts(monkeypatch, path, chunk, in_place):
     """finish_reduced writes each owner's "auto" chunk into the result kernels.PACK_CHUNK values
     at a time (whole plane words: 80 -> 64): the reference's bits whatever the part size, pieces
     and members cut by the parts included, over the gradient or into a new tensor."""
-    from horovod_twobit.torch import kernels
+    from horovod_twobit.torch import compiled, kernels
     monkeypatch.setattr(kernels, "PACK_CHUNK", chunk)
-    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
+    monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
     nranks = 3
     layout = Layout(SIZES, True, *wire.validate_blocks("auto", 16, 4))
     chunks = sw.Chunks(layout, nranks)
@@ -112,7 +112,7 @@ def test_auto_results_decode_in_parts(monkeypatch, path, chunk, in_place):
                               in_place=in_place)
         check_step(w, names, layout, w.bucket(names, grads, postscale=0.7), outs, rs_, owners,
                    step)
-    assert not kernels._disabled
+    assert not compiled.disabled
 
 
 def check_step(w, names, layout, want, outs, rs_, owners, step):
@@ -180,15 +180,15 @@ def test_nonfinite_member_is_nan_everywhere_and_keeps_every_residual(monkeypatch
     changed. ``big``: owners' chunks of at least COMPILE_MIN_NUMEL values, whose commit and decode
     run as one compiled pass when no member held NaN or Inf (into the output, or over the
     gradient itself when ``in_place``)."""
-    from horovod_twobit.torch import kernels
+    from horovod_twobit.torch import compiled
     device = _device(monkeypatch, device)
     nranks = 3
-    sizes = [40, 17, 300] if not big else [40, kernels.COMPILE_MIN_NUMEL * nranks + 7,
-                                            kernels.COMPILE_MIN_NUMEL + 3]
+    sizes = [40, 17, 300] if not big else [40, compiled.COMPILE_MIN_NUMEL * nranks + 7,
+                                            compiled.COMPILE_MIN_NUMEL + 3]
     names = ["t0", "t1", "t2"]
     layout = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold))
     chunks = sw.Chunks(layout, nranks)
-    assert big == (min(chunks.values(c) for c in range(nranks)) >= kernels.COMPILE_MIN_NUMEL)
+    assert big == (min(chunks.values(c) for c in range(nranks)) >= compiled.COMPILE_MIN_NUMEL)
     rs_ = [torch.zeros(layout.values, device=device) for _ in range(nranks)]
     owners = [torch.zeros(chunks.values(c), device=device) for c in range(nranks)]
     w = ref.Workers(nranks, threshold, exchange="scatter")
@@ -238,9 +238,9 @@ def test_compiled_count_planes_match_reference(monkeypatch, n, size, device):
     """From COMPILE_MIN_NUMEL values the planes are packed, and the counts scaled, by compiled
     bodies: the same words as the reference, and the same floats as the eager path's
     (count - n) * t / divisor * scale."""
-    from horovod_twobit.torch import kernels
+    from horovod_twobit.torch import compiled
     device = _device(monkeypatch, device)
-    assert size >= kernels.COMPILE_MIN_NUMEL
+    assert size >= compiled.COMPILE_MIN_NUMEL
     c = np.random.default_rng(n).integers(-n, n + 1, size)
     bits = sw.count_bits(n)
     words = scatter_codec.pack_counts(torch.from_numpy(c + n).to(torch.int32).to(device), bits)
@@ -318,19 +318,19 @@ def test_chunks_compile_by_the_bucket_size(monkeypatch, threshold):
     """A bucket of at least COMPILE_MIN_NUMEL values runs its owners' sums and its finish
     compiled even where each chunk is below it; a smaller bucket runs them eagerly. Same bits
     both ways (against the reference)."""
-    from horovod_twobit.torch import kernels
-    if kernels._disabled:
+    from horovod_twobit.torch import compiled
+    if compiled.disabled:
         pytest.skip("torch.compile is unavailable here")
-    monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 4096)
-    run, ran = kernels._run, []
-    monkeypatch.setattr(kernels, "_run", lambda name, *a: ran.append(name) or run(name, *a))
+    monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 4096)
+    run, ran = compiled.run, []
+    monkeypatch.setattr(compiled, "run", lambda name, *a: ran.append(name) or run(name, *a))
     nranks = 4
-    for sizes, compiled in (([3000, 1500, 17], True), ([3000, 17], False)):
+    for sizes, expect in (([3000, 1500, 17], True), ([3000, 17], False)):
         names = ["t%d" % i for i in range(len(sizes))]
         layout = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold))
         chunks = sw.Chunks(layout, nranks)
-        assert max(chunks.values(c) for c in range(nranks)) < kernels.COMPILE_MIN_NUMEL
-        assert (layout.values >= kernels.COMPILE_MIN_NUMEL) == compiled
+        assert max(chunks.values(c) for c in range(nranks)) < compiled.COMPILE_MIN_NUMEL
+        assert (layout.values >= compiled.COMPILE_MIN_NUMEL) == expect
         rs_ = [torch.zeros(layout.values) for _ in range(nranks)]
         owners = [torch.zeros(chunks.values(c)) for c in range(nranks)]
         w = ref.Workers(nranks, threshold, exchange="scatter")
@@ -342,4 +342,4 @@ def test_chunks_compile_by_the_bucket_size(monkeypatch, threshold):
                        owners if threshold == "auto" else None, step)
             want = {"decode_into", "owner_values"} if threshold == "auto" else \
                 {"decode", "pack_counts", "finish_counts"}
-            assert want <= set(ran) if compiled else not want & set(ran), (step, sorted(set(ran)))
+            assert want <= set(ran) if expect else not want & set(ran), (step, sorted(set(ran)))

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from horovod_twobit.torch import codec, kernels
+from horovod_twobit.torch import codec, compiled, kernels
 
 
 def _parse_size(s):
@@ -62,8 +62,8 @@ def _time_round_robin(fns, device, min_time=0.5, max_rounds=200):
 
 def measure(n, device, ranks=2, path="compiled", threshold=0.5):
     """Returns a dict of GB/s figures for one size, device and path (PyTorch)."""
-    old = kernels.COMPILE_MIN_NUMEL
-    kernels.COMPILE_MIN_NUMEL = 0 if path == "compiled" else 1 << 62
+    old = compiled.COMPILE_MIN_NUMEL
+    compiled.COMPILE_MIN_NUMEL = 0 if path == "compiled" else 1 << 62
     try:
         g = torch.randn(n, device=device)
         r = torch.zeros(n, device=device)
@@ -76,7 +76,7 @@ def measure(n, device, ranks=2, path="compiled", threshold=0.5):
              lambda: kernels.finish(rows, ts, r, g, threshold, ranks),
              lambda: r.add_(g)], device)
     finally:
-        kernels.COMPILE_MIN_NUMEL = old
+        compiled.COMPILE_MIN_NUMEL = old
     gb = 4 * n / 1e9
     return {"encode": gb / t_enc, "decode": gb / t_dec, "probe": gb / t_probe}
 

@@ -1,13 +1,13 @@
 """Codec kernels: pack (a codes pass and a byte-packing pass, chunk by chunk), finish (one pass
 after the gather: the residual update and the decode-sum), and the plain commit and decode-sum.
 
-The bodies are plain torch ops. For tensors of at least ``COMPILE_MIN_NUMEL`` values they run
-through ``torch.compile`` (Inductor fuses each body into one vectorized loop on CPU and GPU); below
-that, or where compilation is unavailable or disabled (``HOROVOD_TWOBIT_COMPILE=0``), the same
-bodies run eagerly. The scatter exchange's chunks of a bucket choose by the bucket's size
-(:func:`sized_as`, :func:`compiles`). Both paths give the same bits: the bodies use only exact float32 operations
-(add, compare, subtract a threshold, select, one division, one multiplication) whose results do
-not depend on fusion. (On a GPU, Triton's float32 division is approximate: compilations ask
+The bodies are plain torch ops, registered in :mod:`.compiled`: for tensors of at least
+``compiled.COMPILE_MIN_NUMEL`` values they run through ``torch.compile`` (Inductor fuses each body
+into one vectorized loop on CPU and GPU); below that, or where compilation is unavailable or
+disabled (``HOROVOD_TWOBIT_COMPILE=0``), the same bodies run eagerly. The scatter exchange's chunks
+of a bucket choose by the bucket's size (:func:`compiled.sized_as`). Both paths give the same
+bits: the bodies use only exact float32 operations (add, compare, subtract a threshold, select,
+one division, one multiplication) whose results do not depend on fusion. (On a GPU, Triton's float32 division is approximate: compilations ask
 Inductor for a correctly rounded one where it offers it, else the division runs eagerly after
 the compiled pass, see :func:`_late_division`. On a GPU :func:`pack` also packs whole words in
 one pass rather than in cache-sized chunks of two.)
@@ -28,20 +28,11 @@ the two pack passes), and the float32 result for an out-of-place allreduce (an i
 over the gradient). The eager path adds float32 and integer temporaries of the tensor's size.
 """
 
-import contextlib
-import os
-import threading
-import types
-import warnings
-
 import torch
 
 from .. import wire
+from . import compiled
 
-COMPILE_MIN_NUMEL = int(os.environ.get("HOROVOD_TWOBIT_COMPILE_MIN_NUMEL", 1 << 16))
-_lock = threading.Lock()
-_compiled = {}
-_disabled = os.environ.get("HOROVOD_TWOBIT_COMPILE", "1") == "0"
 
 
 # ----------------------------------------------------------------- kernel bodies (m % 16 == 0)
@@ -95,86 +86,9 @@ def _commit_body(r, g, t, v):
     r.copy_(torch.where(x >= t, x - v, torch.where(x <= -t, x + v, x)))
 
 
-# levels.py adds its own
-_BODIES = {"codes": _codes_body, "word_codes": _word_codes_body, "commit": _commit_body}
-
-
-def _fn(name, key=None):
-    """The compiled body, or the eager one when compilation is off or failed. ``key`` separates
-    compilations (the number of ranks' rows: guards on list lengths are not reliable in Dynamo)."""
-    body = _BODIES[name]
-    if _disabled:
-        return body
-    with _lock:
-        fn = _compiled.get((name, key))
-        if fn is None:
-            if key is not None:  # a code object of its own: Dynamo caches per code object
-                code = body.__code__.replace(co_name="%s_%s" % (body.__name__, key))
-                body = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__,
-                                          body.__closure__)
-            fn = _compiled[(name, key)] = torch.compile(
-                body, dynamic=True, options=_EXACT_DIVISION if exact_division() else None)
-    return fn
-
-
-_EXACT_DIVISION = {"eager_numerics.division_rounding": True}
-_exact = []
-
-
-def exact_division():
-    """Whether this torch's Inductor can divide float32 correctly rounded in Triton (its option
-    ``eager_numerics.division_rounding``; Triton's own division is approximate, up to 2 ulp).
-    Every compilation then asks for it; on a CPU it changes nothing."""
-    if not _exact:
-        try:
-            from torch._inductor import config
-            _exact.append(all(k in config.get_config_copy() for k in _EXACT_DIVISION))
-        except Exception:  # no Inductor: no compiled path either
-            _exact.append(False)
-    return _exact[0]
-
-
-def _run(name, *args):
-    global _disabled
-    if not _disabled:
-        try:
-            return _fn(name, len(args[0]) if isinstance(args[0], list) else None)(*args)
-        except Exception as e:  # no compiler, unsupported device, ...: same bits, eagerly
-            _disabled = True
-            warnings.warn("horovod-twobit: torch.compile is unavailable (%s: %s); using the eager "
-                          "codec, which gives the same results more slowly" % (type(e).__name__, e))
-    return _BODIES[name](*args)
-
-
-_sized = threading.local()
-
-
-@contextlib.contextmanager
-def sized_as(numel):
-    """Within it, this thread's calls choose compiled or eager bodies as if their tensors held at
-    least ``numel`` values. The scatter exchange works a bucket in N chunks: a bucket of 262 K
-    values among 8 ranks has chunks of 32 K values, below COMPILE_MIN_NUMEL, whose eager owner
-    sum and finish cost 3-4x the compiled ones (0.96 against 0.35 ms, 1.67 against 0.38 ms on
-    one CPU thread)."""
-    old = getattr(_sized, "numel", 0)
-    _sized.numel = max(old, numel)
-    try:
-        yield
-    finally:
-        _sized.numel = old
-
-
-def compiles(numel):
-    """Whether a call on ``numel`` values runs its compiled body: from COMPILE_MIN_NUMEL values
-    (counting :func:`sized_as`), unless compilation is off or unavailable."""
-    return max(numel, getattr(_sized, "numel", 0)) >= COMPILE_MIN_NUMEL and not _disabled
-
-
-def _call(name, numel, *args):
-    """The compiled body where :func:`compiles`, else the eager one."""
-    if compiles(numel):
-        return _run(name, *args)
-    return _BODIES[name](*args)
+# levels.py and others add their own
+compiled.BODIES.update({"codes": _codes_body, "word_codes": _word_codes_body,
+                        "commit": _commit_body})
 
 
 # ----------------------------------------------------------------- public kernels
@@ -231,8 +145,8 @@ def _words_into_body(r, g, t, shifts, out):
     return _nonfinite(x, -1)
 
 
-_BODIES["bytes_into"] = _bytes_into_body
-_BODIES["words_into"] = _words_into_body
+compiled.BODIES["bytes_into"] = _bytes_into_body
+compiled.BODIES["words_into"] = _words_into_body
 
 
 def _one_pass(device):
@@ -264,9 +178,9 @@ def pack(r, g, threshold, out=None, word_flags=None):
     m = n - n % wire.VALUES_PER_WORD
     per_word = word_flags is not None and not flags_on_host(g.device)
     flag = None
-    if compiles(m) and _one_pass(g.device):
+    if compiled.compiles(m) and _one_pass(g.device):
         w = m // 16
-        bad = _run("words_into", r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w),
+        bad = compiled.run("words_into", r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w),
                    _shifts(g.device, torch.int64), words[:w])
         if word_flags is not None:
             word_flags[:w].copy_(bad)
@@ -277,9 +191,9 @@ def pack(r, g, threshold, out=None, word_flags=None):
         b = min(m, a + PACK_CHUNK)
         # (words, 16) views against a 0-d threshold or a (words, 1) column of per-word ones
         rv, gv = r[a:b].view(-1, 16), g[a:b].view(-1, 16)
-        codes, bad = _call("word_codes" if per_word else "codes", m, rv, gv,
+        codes, bad = compiled.call("word_codes" if per_word else "codes", m, rv, gv,
                            t[a // 16:b // 16].unsqueeze(1) if t.dim() else t)
-        _call("bytes_into", m, codes.reshape(-1).view(torch.int32), byts[a // 4:b // 4])
+        compiled.call("bytes_into", m, codes.reshape(-1).view(torch.int32), byts[a // 4:b // 4])
         if per_word:
             word_flags[a // 16:b // 16].copy_(bad)
             bad = bad.any()
@@ -321,15 +235,15 @@ def over_words(name, r, g, threshold, magnitude=None):
     t = _t(threshold, r.device)
     v = t if magnitude is None else _t(magnitude, r.device)
     if not (t.dim() or v.dim()):
-        return [_call(name, n, r, g, t, v)]
+        return [compiled.call(name, n, r, g, t, v)]
     m = n - n % wire.VALUES_PER_WORD
     w = m // wire.VALUES_PER_WORD
     out = []
     if m:
-        out.append(_call(name, n, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w),
+        out.append(compiled.call(name, n, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w),
                          _head(v, w)))
     if m < n:
-        out.append(_BODIES[name](r[m:], g[m:], _at(t, w), _at(v, w)))
+        out.append(compiled.BODIES[name](r[m:], g[m:], _at(t, w), _at(v, w)))
     return out
 
 
@@ -374,9 +288,9 @@ def _decode_into_body(words, ts, shifts, divisor, scale, out):
     out.copy_(_decoded(words, ts, shifts, divisor, scale))
 
 
-_BODIES["decode"] = _decode_body
-_BODIES["decode_into"] = _decode_into_body
-_BODIES["finish"] = _finish_body
+compiled.BODIES["decode"] = _decode_body
+compiled.BODIES["decode_into"] = _decode_into_body
+compiled.BODIES["finish"] = _finish_body
 
 
 def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0, out=None):
@@ -400,23 +314,23 @@ def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0, out=None):
 
 
 def call_divided(name, numel, device, *args, divisor, scale, out=None):
-    """:func:`_call` of a body that takes a divisor and a scale after ``args`` (then ``out``, where
+    """:func:`compiled.call` of a body that takes a divisor and a scale after ``args`` (then ``out``, where
     given) and gives x / divisor * scale (returned, or written into ``out``): where the
     division must be late (:func:`_late_division`), the body runs without them and an eager,
     correctly rounded division follows. Returns the result (``out`` where given)."""
     tail = () if out is None else (out,)
     if _late_division(device, numel):
-        x = _call(name, numel, *args, None, None, *tail)
+        x = compiled.call(name, numel, *args, None, None, *tail)
         return (x if out is None else out).div_(divisor).mul_(scale)
-    x = _call(name, numel, *args, divisor, scale, *tail)
+    x = compiled.call(name, numel, *args, divisor, scale, *tail)
     return x if out is None else out
 
 
 def _late_division(device, numel):
     """Whether the division by the number of ranks must run outside the compiled body: on a GPU
-    where Inductor cannot divide correctly rounded (:func:`exact_division`), the compiled pass
+    where Inductor cannot divide correctly rounded (:func:`compiled.exact_division`), the compiled pass
     sums and an eager division, correctly rounded, follows (two more passes over the result)."""
-    return device.type == "cuda" and compiles(numel) and not exact_division()
+    return device.type == "cuda" and compiled.compiles(numel) and not compiled.exact_division()
 
 
 def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, magnitude=None):
@@ -439,11 +353,11 @@ def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, 
         w = m // wire.VALUES_PER_WORD
         if _late_division(dev, m):  # the sum into a float32 buffer, then / divisor, * scale
             tmp = torch.empty((w, 16), dtype=torch.float32, device=dev)
-            _call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts], _shifts(dev),
+            compiled.call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts], _shifts(dev),
                   None, scale, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w), _head(v, w), tmp)
             dest[:m].view(w, 16).copy_(tmp.div_(divisor).mul_(scale))
         else:
-            _call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts], _shifts(dev),
+            compiled.call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts], _shifts(dev),
                   divisor, scale, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w), _head(v, w),
                   None if out is None else out[:m].view(w, 16))
     if m < n:  # the last, partial word: commit its values, decode it whole, keep what is real

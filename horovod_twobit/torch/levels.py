@@ -19,7 +19,7 @@ widely spread magnitudes). Counts are exact.
 import torch
 
 from .. import wire
-from . import kernels
+from . import compiled
 
 F32, F64 = torch.float32, torch.float64
 OPT_MULTIPLES = wire.OPT_MULTIPLES
@@ -121,7 +121,7 @@ def _lsq_eager(r, g, n, mult, factor):
     return _chosen(ts, sent.sum(-1).to(F64), torch.where(sent, a, 0.0).sum(-1), factor)
 
 
-kernels._BODIES.update({"abs_sum": _abs_sum_body, "sq_sum": _sq_sum_body,
+compiled.BODIES.update({"abs_sum": _abs_sum_body, "sq_sum": _sq_sum_body,
                         "errors": _ternary_errors_body, "lsq_levels": _lsq_body,
                         "lsq_levels_masked": _lsq_masked_body})
 
@@ -139,22 +139,22 @@ def levels(r, g, rule=DEFAULT_RULE, n=None):
     numel, mult = r.numel(), _constant(OPT_MULTIPLES, r.device)
     if rule == "lsq":
         # one compiled call costs less than the eager ops from a few hundred values
-        if numel < kernels.COMPILE_MIN_NUMEL // 256 or kernels._disabled:
+        if numel < compiled.COMPILE_MIN_NUMEL // 256 or compiled.disabled:
             return _lsq_eager(r, g, n, mult, factor)
         if n is None:
-            return kernels._run("lsq_levels", r, g, mult, factor)[0]
-        return kernels._run("lsq_levels_masked", r, g, n, mult, factor)[0]
+            return compiled.run("lsq_levels", r, g, mult, factor)[0]
+        return compiled.run("lsq_levels_masked", r, g, n, mult, factor)[0]
     if n is not None:  # zeros beyond each row's values add nothing to any of these sums
         keep = torch.arange(r.shape[-1], device=r.device) < n
         r, g = torch.where(keep, r, 0.0), torch.where(keep, g, 0.0)
     n = r.shape[-1] if n is None else n.squeeze(-1)
     if rule == "mean":
-        t = kernels._call("abs_sum", numel, r, g) / n
+        t = compiled.call("abs_sum", numel, r, g) / n
     elif rule == "rms":
-        t = (kernels._call("sq_sum", numel, r, g) / n).sqrt()
+        t = (compiled.call("sq_sum", numel, r, g) / n).sqrt()
     else:  # "opt"
-        ts = (kernels._call("abs_sum", numel, r, g) / n).unsqueeze(-1) * mult
-        best = torch.argmin(kernels._call("errors", numel, r, g, ts), -1, keepdim=True)
+        ts = (compiled.call("abs_sum", numel, r, g) / n).unsqueeze(-1) * mult
+        best = torch.argmin(compiled.call("errors", numel, r, g, ts), -1, keepdim=True)
         t = ts.gather(-1, best).squeeze(-1)
     return _rounded(t, t, factor)
 

@@ -11,7 +11,7 @@ rank decodes k * a and the owner keeps e = x - k * a.
 import torch
 
 from .. import scatter_wire as sw
-from . import kernels, scatter_codec
+from . import compiled, kernels, scatter_codec
 
 _FLT_MIN = float(torch.finfo(torch.float32).tiny)
 _LOW_BITS = ~3
@@ -98,7 +98,7 @@ def _values_body(planes, a_w, nwords, div, sc):
     return (x if div is None else x / div * sc).reshape(-1)
 
 
-kernels._BODIES["owner_values"] = _values_body
+compiled.BODIES["owner_values"] = _values_body
 
 
 def owner_values(body, pieces, nwords, nvalues, divisor, scale, words=None, out=None):

@@ -17,7 +17,7 @@ import torch
 
 from .. import scatter_wire as sw
 from .. import wire
-from . import kernels, owner_codec
+from . import compiled, kernels, owner_codec
 
 
 def _cached(chunks, key, make):
@@ -73,10 +73,10 @@ def chunk_payloads(chunks, payload, threshold):
 
 def _bucket_sized(fn):
     """``fn(chunks, ...)`` choosing compiled or eager bodies by the bucket's size, not each
-    chunk's (:func:`kernels.sized_as`)."""
+    chunk's (:func:`compiled.sized_as`)."""
     @functools.wraps(fn)
     def sized(chunks, *args, **kwargs):
-        with kernels.sized_as(chunks.layout.values):
+        with compiled.sized_as(chunks.layout.values):
             return fn(chunks, *args, **kwargs)
     return sized
 
@@ -193,9 +193,9 @@ def _finish_counts_body(words, nranks, thr, div, sc, r, g, t, v, out):
     dest.copy_(_count_values_body(words, nranks, thr, div, sc)[:dest.numel()].to(dest.dtype))
 
 
-kernels._BODIES["pack_counts"] = _pack_counts_body
-kernels._BODIES["count_values"] = _count_values_body
-kernels._BODIES["finish_counts"] = _finish_counts_body
+compiled.BODIES["pack_counts"] = _pack_counts_body
+compiled.BODIES["count_values"] = _count_values_body
+compiled.BODIES["finish_counts"] = _finish_counts_body
 
 
 def pack_counts(u, bits):
@@ -206,8 +206,8 @@ def pack_counts(u, bits):
         return u.new_empty(0)
     if u.numel() % 32:
         u = torch.nn.functional.pad(u, (0, (-u.numel()) % 32))
-    if kernels.compiles(u.numel()):
-        return kernels._run("pack_counts", u, bits)
+    if compiled.compiles(u.numel()):
+        return compiled.run("pack_counts", u, bits)
     js = torch.arange(bits, dtype=torch.int32, device=u.device).view(-1, 1)
     ones = ((u.unsqueeze(0) >> js) & 1).to(torch.uint8)  # (bits, n): one byte per bit
     byte = ((ones.view(torch.int64) * _GATHER) >> 56) & 0xFF  # 8 bits into one byte
@@ -231,7 +231,7 @@ def count_values(words, nvalues, bits, nranks, thr, div, sc):
     :func:`pack_counts` words: one compiled pass from ``COMPILE_MIN_NUMEL`` values (21 M values
     on one CPU thread: 88 ms, against 430 ms eagerly), else :func:`unpack_counts` and the same
     operations."""
-    if kernels.compiles(nvalues):
+    if compiled.compiles(nvalues):
         return kernels.call_divided("count_values", nvalues, words.device, words.view(bits, -1),
                                     nranks, thr, divisor=div, scale=sc)[:nvalues]
     return unpack_counts(words, nvalues, bits, nranks) * (thr[:nvalues] if thr.dim() else thr) / div * sc
@@ -295,8 +295,8 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
         if layout.auto:
             owner_codec.owner_values(body, chunks.pieces[c], wc, n, div, sc, piece_words[c],
                                      out=dest[span])
-        elif fused:  # compiled where kernels.compiles (by the bucket), else the same body eagerly
-            kernels._call("finish_counts", n, body.view(chunks.bits, -1), N, thr, div, sc, r[span],
+        elif fused:  # compiled where compiled.compiles (by the bucket), else the same body eagerly
+            compiled.call("finish_counts", n, body.view(chunks.bits, -1), N, thr, div, sc, r[span],
                           g[span], kernels._t(tc, dev), kernels._t(vc, dev), into)
         else:
             dest[span].copy_(count_values(body, n, chunks.bits, N, thr, div, sc))
