@@ -24,7 +24,8 @@ def _device(monkeypatch, device):
     from horovod_twobit.torch import compiled, kernels
     if device == "cpu, late division":
         monkeypatch.setattr(kernels, "_late_division",
-                            lambda dev, n: n >= compiled.COMPILE_MIN_NUMEL and not compiled.disabled)
+                            lambda dev, n: (n >= compiled.COMPILE_MIN_NUMEL
+                                            and not compiled.disabled))
     return device.split(",")[0]
 
 

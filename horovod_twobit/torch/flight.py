@@ -92,7 +92,7 @@ class Flight:
             self._counted.append(stats.payload_counts(b.layout, payload.numpy(),
                                                       b.compressor.threshold))
         if g is None:
-            self._norms = stats_read.pair(r.reshape(-1))
+            self._norms = stats_read.pair(r.detach().reshape(-1))
         else:
             self._norms = stats_read.committed_norms(r, g, self.t, self.v)
 

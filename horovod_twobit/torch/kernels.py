@@ -7,10 +7,11 @@ into one vectorized loop on CPU and GPU); below that, or where compilation is un
 disabled (``HOROVOD_TWOBIT_COMPILE=0``), the same bodies run eagerly. The scatter exchange's chunks
 of a bucket choose by the bucket's size (:func:`compiled.sized_as`). Both paths give the same
 bits: the bodies use only exact float32 operations (add, compare, subtract a threshold, select,
-one division, one multiplication) whose results do not depend on fusion. (On a GPU, Triton's float32 division is approximate: compilations ask
-Inductor for a correctly rounded one where it offers it, else the division runs eagerly after
-the compiled pass, see :func:`_late_division`. On a GPU :func:`pack` also packs whole words in
-one pass rather than in cache-sized chunks of two.)
+one division, one multiplication) whose results do not depend on fusion. (On a GPU, Triton's
+float32 division is approximate: compilations ask Inductor for a correctly rounded one where it
+offers it, else the division runs eagerly after the compiled pass, see :func:`_late_division`.
+On a GPU :func:`pack` also packs whole words in one pass rather than in cache-sized chunks of
+two.)
 
 Compiled graphs are dynamic in the tensor length, so Inductor compiles once per (function, dtype,
 device), never per step. The threshold and divisor travel as 0-d tensors, so a new value does not
@@ -314,10 +315,10 @@ def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0, out=None):
 
 
 def call_divided(name, numel, device, *args, divisor, scale, out=None):
-    """:func:`compiled.call` of a body that takes a divisor and a scale after ``args`` (then ``out``, where
-    given) and gives x / divisor * scale (returned, or written into ``out``): where the
-    division must be late (:func:`_late_division`), the body runs without them and an eager,
-    correctly rounded division follows. Returns the result (``out`` where given)."""
+    """:func:`compiled.call` of a body that takes a divisor and a scale after ``args`` (then
+    ``out``, where given) and gives x / divisor * scale (returned, or written into ``out``):
+    where the division must be late (:func:`_late_division`), the body runs without them and an
+    eager, correctly rounded division follows. Returns the result (``out`` where given)."""
     tail = () if out is None else (out,)
     if _late_division(device, numel):
         x = compiled.call(name, numel, *args, None, None, *tail)
@@ -328,8 +329,9 @@ def call_divided(name, numel, device, *args, divisor, scale, out=None):
 
 def _late_division(device, numel):
     """Whether the division by the number of ranks must run outside the compiled body: on a GPU
-    where Inductor cannot divide correctly rounded (:func:`compiled.exact_division`), the compiled pass
-    sums and an eager division, correctly rounded, follows (two more passes over the result)."""
+    where Inductor cannot divide correctly rounded (:func:`compiled.exact_division`), the
+    compiled pass sums and an eager division, correctly rounded, follows (two more passes over
+    the result)."""
     return device.type == "cuda" and compiled.compiles(numel) and not compiled.exact_division()
 
 
@@ -353,13 +355,14 @@ def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, 
         w = m // wire.VALUES_PER_WORD
         if _late_division(dev, m):  # the sum into a float32 buffer, then / divisor, * scale
             tmp = torch.empty((w, 16), dtype=torch.float32, device=dev)
-            compiled.call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts], _shifts(dev),
-                  None, scale, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w), _head(v, w), tmp)
+            compiled.call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts],
+                          _shifts(dev), None, scale, r[:m].view(w, 16), g[:m].view(w, 16),
+                          _head(t, w), _head(v, w), tmp)
             dest[:m].view(w, 16).copy_(tmp.div_(divisor).mul_(scale))
         else:
-            compiled.call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts], _shifts(dev),
-                  divisor, scale, r[:m].view(w, 16), g[:m].view(w, 16), _head(t, w), _head(v, w),
-                  None if out is None else out[:m].view(w, 16))
+            compiled.call("finish", m, [row[:w] for row in rows], [_head(x, w) for x in ts],
+                          _shifts(dev), divisor, scale, r[:m].view(w, 16), g[:m].view(w, 16),
+                          _head(t, w), _head(v, w), None if out is None else out[:m].view(w, 16))
     if m < n:  # the last, partial word: commit its values, decode it whole, keep what is real
         w = m // wire.VALUES_PER_WORD
         _commit_body(r[m:], g[m:], _at(t, w), _at(v, w))
