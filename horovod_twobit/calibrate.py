@@ -36,7 +36,7 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ra
     a core with the host's collectives. The network figures are the host's TCP either way."""
     import platform
     import torch
-    from .torch import compiled
+    from .torch import compiled as bodies
     device = torch.device(device)
     if device.type != "cpu" and clock == "cpu":
         raise ValueError("a %s device's codec runs outside this process's CPU time: calibrate "
@@ -47,8 +47,8 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ra
                          "--device cpu")
     timer = _Timer(clock, dilation, min_wall_s, device)
     torch.set_num_threads(threads)
-    old = compiled.COMPILE_MIN_NUMEL
-    compiled.COMPILE_MIN_NUMEL = 0 if compiled else 1 << 62
+    old = bodies.COMPILE_MIN_NUMEL
+    bodies.COMPILE_MIN_NUMEL = 0 if compiled else 1 << 62
     try:
         points = {k: [] for k in CODEC_KEYS}
         for n in sizes:
@@ -60,7 +60,7 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ra
                    "keys": {k: _fit_by_size(v) for k, v in points.items()}}
         per = _time_per_value(1 << 22, reps, timer, device)
     finally:
-        compiled.COMPILE_MIN_NUMEL = old
+        bodies.COMPILE_MIN_NUMEL = old
     gpu = device.type != "cpu"
     prof = {"name": name, "kind": "measured", "serial": not gpu,
             "source": "python -m horovod_twobit.advise calibrate on %s (%s, %d thread(s), %s "

@@ -225,10 +225,16 @@ def test_unknown_method():
         steptime.predict([10], "zip", 2, 1e9, 0.1, BOUND)
 
 
-def test_calibrate_writes_a_usable_profile(tmp_path):
+def test_calibrate_writes_a_usable_profile(tmp_path, monkeypatch):
+    from horovod_twobit.torch import compiled
+    run, ran = compiled.run, []
+    monkeypatch.setattr(compiled, "run", lambda name, *a: ran.append(name) or run(name, *a))
+    limit = compiled.COMPILE_MIN_NUMEL
     path = tmp_path / "me.json"
     prof = calibrate.calibrate(str(path), sizes=(1024, 4096), ranks=(2, 3), compiled=False,
                                reps=1, name="me")
+    # the eager codec was timed, and said so; the limit is back as it was
+    assert not ran and "eager codec" in prof["source"] and compiled.COMPILE_MIN_NUMEL == limit
     back = steptime.load_profile(str(path))
     assert back["name"] == "me" and back["kind"] == "measured"
     assert back["codec_by_size"]["sizes"] == [1024, 4096]
