@@ -80,11 +80,17 @@ def _bytes_body(w):
             | ((w >> 24) & 3)).to(torch.uint8)
 
 
-def _commit_body(r, g, t, v):
-    """r <- (r + g) - q in place, q the ternary value of r + g: +v where r + g >= t, -v where
-    r + g <= -t, else 0 (v is t itself for a numeric threshold)."""
+def committed(r, g, t, v):
+    """The error feedback's new residual (r + g) - q, q the ternary value of r + g: +v where
+    r + g >= t, -v where r + g <= -t, else 0 (v is t itself for a numeric threshold). Every
+    body that commits, or measures what a commit leaves, computes it here."""
     x = r + g.to(torch.float32)
-    r.copy_(torch.where(x >= t, x - v, torch.where(x <= -t, x + v, x)))
+    return torch.where(x >= t, x - v, torch.where(x <= -t, x + v, x))
+
+
+def _commit_body(r, g, t, v):
+    """r <- (r + g) - q in place (:func:`committed`)."""
+    r.copy_(committed(r, g, t, v))
 
 
 # levels.py and others add their own
@@ -279,8 +285,7 @@ def _finish_body(words, ts, shifts, divisor, scale, r, g, t, v, out):
     """One pass after the gather: r <- (r + g) - q (the commit), then the decode-sum written once,
     into ``out``, or over ``g`` when ``out`` is None (every value of g is read before it is
     written). r, g and out are (words, 16) views."""
-    x = r + g.to(torch.float32)
-    r.copy_(torch.where(x >= t, x - v, torch.where(x <= -t, x + v, x)))
+    r.copy_(committed(r, g, t, v))
     dest = g if out is None else out
     dest.copy_(_decoded(words, ts, shifts, divisor, scale).to(dest.dtype))
 

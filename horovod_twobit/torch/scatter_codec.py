@@ -187,8 +187,7 @@ def _finish_counts_body(words, nranks, thr, div, sc, r, g, t, v, out):
     """One pass over an owner's chunk after phase 2: r <- (r + g) - q (as ``kernels.commit``),
     then the chunk's count values (as :func:`_count_values_body`) written into ``out``, or over
     ``g`` when ``out`` is None (every value of g is read before it is written)."""
-    x = r + g.to(torch.float32)
-    r.copy_(torch.where(x >= t, x - v, torch.where(x <= -t, x + v, x)))
+    r.copy_(kernels.committed(r, g, t, v))
     dest = g if out is None else out
     dest.copy_(_count_values_body(words, nranks, thr, div, sc)[:dest.numel()].to(dest.dtype))
 

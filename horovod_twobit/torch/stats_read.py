@@ -30,8 +30,7 @@ def pair(r):
 
 def _committed_body(r, g, t, v):
     """(sum of squares, max |e|) of e = (r + g) - q, what ``kernels.commit`` would write into r."""
-    x = r + g.to(torch.float32)
-    e = torch.where(x >= t, x - v, torch.where(x <= -t, x + v, x))
+    e = kernels.committed(r, g, t, v)
     return (e * e).sum(), e.abs().amax()
 
 
