@@ -3,8 +3,8 @@
 link is shaped so), the bytes one rank sends in each kind of collective, one collective's
 seconds, and Horovod's background thread over a step (:func:`schedule`: cycles, fusion, one
 collective at a time, collectives slowed while backward holds a one-core host's core). Units:
-the model's ``_Unit`` (its ``kind``, ``values``, ``bytes``, ``bytes2``, ``dtype_bytes``,
-``ready``, ``owner``). Pure Python."""
+:class:`horovod_twobit.exchange_units.Unit` (its ``kind``, ``values``, ``bytes``, ``bytes2``,
+``dtype_bytes``, ``ready``, ``owner``). Pure Python."""
 
 import math
 import re

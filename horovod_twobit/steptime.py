@@ -54,16 +54,13 @@ source; :mod:`horovod_twobit.profile`: a measured profile's codec rate depends o
 size). Pure Python; importing this module imports neither torch nor Horovod.
 """
 
-import bisect
-import json
 import math
 import re
 
-from . import layout as _layout
-from . import scatter_wire as _sw
-from . import wire as _wire
 from .collectives import (TCP_EFFICIENCY, Wire, collective_seconds, loaded_rate,  # noqa: F401
                           parse_rate, phase_bytes, phase_kind, schedule, sent_bytes)
+from .exchange_units import (Unit, bucket_unit, exchange_bytes, powersgd_bytes,  # noqa: F401
+                             scatter_words, units)
 from .profile import (CODEC_KEYS, PROFILE_DIR, bandwidth_bound_profile, codec_s,  # noqa: F401
                       load_profile, profile_names)
 
@@ -109,149 +106,6 @@ def sizes_from(model, tensor_values=1 << 20):
     return [tensor_values] * full + ([rest] if rest else [])
 
 
-# ------------------------------------------------------------------------------------ bytes
-def _scatter_words(lay, nranks):
-    """(sum over owners of phase-1 chunk words, sum over owners of phase-2 words) for a layout:
-    :class:`scatter_wire.Chunks`' counts in O(N log segments)."""
-    N, W = nranks, lay.words
-    fw = _wire.flag_words(lay.members)
-    starts = [c * W // N for c in range(N + 1)]
-    auto = lay.auto
-    if auto:
-        ends = [s // 16 + w for s, w in zip(lay.seg_starts, lay.seg_words)]
-    sent = red = 0
-    bits = _sw.count_bits(N)
-    for c in range(N):
-        wc = starts[c + 1] - starts[c]
-        m = 0
-        if auto and wc:
-            first = bisect.bisect_right(ends, starts[c])
-            last = bisect.bisect_right(ends, starts[c + 1] - 1)
-            m = last - first + 1
-        elif auto:  # an empty chunk strictly inside a segment still carries its magnitude
-            k = bisect.bisect_right(ends, starts[c])
-            m = int(k < len(ends) and (ends[k - 1] if k else 0) < starts[c])
-        sent += _sw.HEADER_WORDS + fw + m + wc
-        red += _sw.HEADER_WORDS + (m + _sw.OWNER_BITS * _sw.plane_words(wc) if auto
-                                   else bits * _sw.plane_words(wc))
-    return sent, red
-
-
-class _Unit:
-    """One thing the exchange sends: a tensor (allreduce) or a TwoBit bucket."""
-
-    __slots__ = ("members", "values", "kind", "bytes", "bytes2", "encode", "owner", "decode",
-                 "ready", "done", "dtype_bytes")
-
-    def __init__(self, members, values, kind):
-        self.members, self.values, self.kind = members, values, kind
-        self.bytes = self.bytes2 = self.encode = self.owner = self.decode = 0.0
-        self.ready = self.done = 0.0
-        self.dtype_bytes = 4
-
-
-_CACHE = {}
-
-
-def _units(sizes, method, nranks, prof, bucket_bytes):
-    """The units of a step in the order their gradients become ready (fresh objects; their
-    sizes, bytes and codec costs are computed once per model, method, N and profile)."""
-    key = (tuple(sizes), method, nranks, bucket_bytes,
-           json.dumps([prof["codec"], prof.get("codec_by_size"), prof["cast_fp16_s"]],
-                      sort_keys=True))
-    if key not in _CACHE:
-        if len(_CACHE) > 4096:
-            _CACHE.clear()
-        _CACHE[key] = [(u.members, u.values, u.kind, u.bytes, u.bytes2, u.encode, u.owner,
-                        u.decode, u.dtype_bytes)
-                       for u in _make_units(sizes, method, nranks, prof, bucket_bytes)]
-    units = []
-    for members, values, kind, b1, b2, enc, own, dec, db in _CACHE[key]:
-        u = _Unit(members, values, kind)
-        u.bytes, u.bytes2, u.encode, u.owner, u.decode, u.dtype_bytes = b1, b2, enc, own, dec, db
-        units.append(u)
-    return units
-
-
-def _make_units(sizes, method, nranks, prof, bucket_bytes):
-    N = nranks
-    if method in ("none", "fp16"):
-        units = []
-        for i in reversed(range(len(sizes))):
-            if sizes[i]:
-                u = _Unit([i], sizes[i], "allreduce")
-                u.dtype_bytes = 2 if method == "fp16" else 4
-                if method == "fp16":
-                    u.encode = u.decode = sizes[i] * prof["cast_fp16_s"]
-                units.append(u)
-        return units
-    auto = method in ("auto", "scatter_auto")
-    threshold = "auto" if auto else 0.5
-    block, blocks = _wire.validate_blocks(threshold)
-    entries = [(i, int(sizes[i]), 4 * int(sizes[i]), "") for i in reversed(range(len(sizes)))]
-    buckets = _layout.assign_buckets(entries, _layout.validate_bucket_bytes(bucket_bytes))
-    in_bucket = {i: k for k, b in enumerate(buckets) for i in b}
-    seen, groups = set(), []
-    for i, n, _, _ in entries:  # ready order: a bucket when its last member is ready
-        if not n:
-            continue
-        k = in_bucket.get(i)
-        if k is None:
-            groups.append([i])
-        elif all(j == i or j in seen for j in buckets[k]):
-            groups.append(buckets[k])
-        seen.add(i)
-    exchange = "scatter" if method.startswith("scatter") else "allgather"
-    return [_bucket_unit(_layout.Layout([sizes[i] for i in g], auto, block, blocks), exchange, N,
-                         prof, g) for g in groups]
-
-
-def _bucket_unit(lay, exchange, nranks, prof, members=None):
-    """The unit of one TwoBit bucket of layout ``lay`` sent by ``exchange`` ("allgather" or
-    "scatter") among ``nranks`` ranks: its bytes by the formats' own counts, its codec calls by
-    the profile."""
-    N, suffix = nranks, "_auto" if lay.auto else ""
-    u = _Unit(members, lay.values, exchange)
-    if exchange == "scatter":
-        sent, red = _scatter_words(lay, N)
-        u.bytes = 4.0 * sent * (N - 1) / N      # one rank's share of the alltoall
-        u.bytes2 = 4.0 * red * (N - 1) / N      # and of the allgather of the owners' sums
-        u.encode = codec_s(prof, "scatter_encode" + suffix, lay.values, N)
-        u.owner = codec_s(prof, "owner" + suffix, lay.values, N)
-        u.decode = codec_s(prof, "scatter_finish" + suffix, lay.values, N)
-    else:
-        u.bytes = 4.0 * lay.payload_words        # sent to each of the N - 1 others
-        u.encode = codec_s(prof, "encode" + suffix, lay.values, N)
-        u.decode = codec_s(prof, "finish" + suffix, lay.values, N)
-    return u
-
-
-def exchange_bytes(sizes, method, nranks, bucket_bytes=None, powersgd_rank=4):
-    """Bytes one rank sends per step (its share of every collective) for ``method``."""
-    prof = bandwidth_bound_profile("bytes", 1e12, "")
-    N = nranks
-    if method == "powersgd":
-        return sum(_powersgd_bytes(n, powersgd_rank) for n in sizes) * 2 * (N - 1) / N
-    total = 0.0
-    for u in _units(sizes, method, N, prof, bucket_bytes):
-        if u.kind == "allreduce":
-            total += 2.0 * (N - 1) / N * u.values * u.dtype_bytes
-        elif u.kind == "allgather":
-            total += (N - 1) * u.bytes
-        else:
-            total += u.bytes + u.bytes2
-    return total
-
-
-def _powersgd_bytes(n, r):
-    """float32 bytes PowerSGD allreduces for a tensor of n values taken as a square matrix
-    (P and Q: (rows + cols) r values); small or 1-D tensors go uncompressed."""
-    side = math.isqrt(n)
-    if n < 4096 or side * side < n // 2:
-        return 4 * n
-    return 4 * (side + (n + side - 1) // side) * r
-
-
 # ---------------------------------------------------------------------------------- the model
 class Prediction:
     """``step_s`` and its parts (seconds, one host)."""
@@ -273,8 +127,8 @@ def bucket_s(lay, exchange, nranks, wire, prof):
     N = int(nranks)
     if N < 2:
         return 0.0
-    u = (_Unit(None, lay.values, "allreduce") if exchange == "plain"
-         else _bucket_unit(lay, exchange, N, prof))
+    u = (Unit(None, lay.values, "allreduce") if exchange == "plain"
+         else bucket_unit(lay, exchange, N, prof))
     t = u.encode + u.owner + u.decode
     for phase in ((1, 2) if u.kind == "scatter" else (1,)):
         t += wire.cycle_s / 2 + wire.fixed + collective_seconds(
@@ -306,11 +160,11 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
         return _predict_powersgd(sizes, N, wire, compute_s, opt, prof, powersgd_rank)
     fw_step, fw_tensor = framework_s(prof, method)
     per_value_s = lambda i: sizes[i] * per_value + fw_tensor  # noqa: E731
-    units = _units(sizes, method, N, prof, bucket_bytes)
+    step_units = units(sizes, method, N, prof, bucket_bytes)
     # training thread: backward, with each unit's encode when its last gradient is ready
     t, done = fwd, set()
     pos = {i: k for k, i in enumerate(reversed(range(len(sizes))))}
-    order = sorted(units, key=lambda u: max(pos[i] for i in u.members))
+    order = sorted(step_units, key=lambda u: max(pos[i] for i in u.members))
     for u in order:
         for i in sorted(u.members, key=pos.get):
             if i not in done:
@@ -336,7 +190,7 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
         tokens = again
     framework = fw_step + fw_tensor * len(sizes)
     step = step_end + straggler_s(prof, N)
-    codec = sum(u.encode + u.decode + u.owner for u in units)
+    codec = sum(u.encode + u.decode + u.owner for u in step_units)
     sent = exchange_bytes(sizes, method, N, bucket_bytes)
     cpu = (compute_s + codec + cpu_coll + opt + framework
            + 2 * sent * prof["kernel_s_per_byte"])
@@ -346,7 +200,7 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
     return Prediction(method, step, {
         "compute": compute_s, "codec": codec, "exchange": wire_s, "optimizer": opt,
         "framework": framework, "bytes_sent": sent, "cpu": cpu, "bound": bound,
-        "collectives": len(units)})
+        "collectives": len(step_units)})
 
 
 def straggler_s(prof, nranks):
@@ -381,9 +235,9 @@ def _predict_powersgd(sizes, N, wire, compute_s, opt, prof, r):
     """PowerSGD rank r as DDP's hook runs it with one bucket: after backward, P = M Q and its
     allreduce, Q = M^T P and its allreduce, M ~ P Q^T and the error feedback; 1-D and small
     tensors allreduced uncompressed alongside."""
-    comp = [n for n in sizes if _powersgd_bytes(n, r) < 4 * n]
-    plain = sum(n for n in sizes if _powersgd_bytes(n, r) == 4 * n)
-    pq = sum(_powersgd_bytes(n, r) for n in comp) / 2.0
+    comp = [n for n in sizes if powersgd_bytes(n, r) < 4 * n]
+    plain = sum(n for n in sizes if powersgd_bytes(n, r) == 4 * n)
+    pq = sum(powersgd_bytes(n, r) for n in comp) / 2.0
     codec = sum(comp) * r * 3 * prof["powersgd_s"] + sum(comp) * 3 * prof["optimizer_s"] / 2
     wire_s = 0.0
     for nbytes, values in ((pq + 4 * plain, pq / 4 + plain), (pq, pq / 4)):

@@ -137,17 +137,31 @@ def _parts_against(r, p):
 
 
 def summary(rows):
-    """Median and worst |error|, and the share of (source, model, rate, N) cells whose fastest
-    method the model picks."""
+    """Median and worst |error|; the share of (source, model, rate, N) cells whose fastest
+    method the model picks; and what following the model costs where it does not: per cell,
+    the measured step of the method it picks over the measured fastest, less 1
+    (``pick_loss``: median and worst over the cells; ``misses``: the cells it gets wrong)."""
     errs = [abs(r["error"]) for r in rows]
     cells = {}
     for r in rows:
         cells.setdefault((r["source"], r["model"], r["rate"], r["hosts"]), []).append(r)
-    hits = [min(c, key=lambda r: r["measured_s"])["method"] ==
-            min(c, key=lambda r: r["predicted_s"])["method"] for c in cells.values() if len(c) > 1]
+    hits, losses, misses = [], [], []
+    for c in cells.values():
+        if len(c) < 2:
+            continue
+        best = min(c, key=lambda r: r["measured_s"])
+        pick = min(c, key=lambda r: r["predicted_s"])
+        hits.append(best["method"] == pick["method"])
+        losses.append(pick["measured_s"] / best["measured_s"] - 1)
+        if not hits[-1]:
+            misses.append({"hosts": best["hosts"], "rate": best["rate"], "model": best["model"],
+                           "fastest": best["method"], "picked": pick["method"],
+                           "pick_loss": losses[-1]})
     return {"rows": len(rows), "median_abs_error": statistics.median(errs) if errs else None,
             "worst_abs_error": max(errs) if errs else None, "cells": len(hits),
-            "fastest_hits": sum(hits), "fastest_hit_rate": sum(hits) / len(hits) if hits else None}
+            "fastest_hits": sum(hits), "fastest_hit_rate": sum(hits) / len(hits) if hits else None,
+            "median_pick_loss": statistics.median(losses) if losses else None,
+            "worst_pick_loss": max(losses) if losses else None, "misses": misses}
 
 
 def main_validate(argv):
@@ -180,6 +194,12 @@ def main_validate(argv):
               "%d cells (%.0f %%)" % (s["rows"], 100 * s["median_abs_error"],
                                       100 * s["worst_abs_error"], s["fastest_hits"], s["cells"],
                                       100 * (s["fastest_hit_rate"] or 0)))
+        if s["misses"]:
+            print("where it picks another method, that method's measured step is slower than the "
+                  "fastest by: " + ", ".join(
+                      "%s %d hosts %s: %s for %s, +%.1f %%" % (
+                          m["model"], m["hosts"], m["rate"], m["picked"], m["fastest"],
+                          100 * m["pick_loss"]) for m in s["misses"]))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"rows": rows, "summary": s}, f, indent=1)

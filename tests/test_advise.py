@@ -107,6 +107,11 @@ def test_compare_and_summary(tmp_path):
     fastest_measured = min(got, key=lambda r: r["measured_s"])["method"]
     fastest_predicted = min(got, key=lambda r: r["predicted_s"])["method"]
     assert s["fastest_hits"] == int(fastest_measured == fastest_predicted) and s["cells"] == 1
+    by = {r["method"]: r["measured_s"] for r in got}
+    loss = by[fastest_predicted] / by[fastest_measured] - 1
+    assert s["median_pick_loss"] == s["worst_pick_loss"] == pytest.approx(loss)
+    assert [(m["fastest"], m["picked"]) for m in s["misses"]] == (
+        [] if loss == 0 else [(fastest_measured, fastest_predicted)])
 
 
 def test_runs_of_a_cluster_combine_at_their_median(tmp_path):
@@ -167,3 +172,22 @@ def test_compare_reports_the_parts_the_model_lacks(tmp_path):
     assert got["codec_measured_s"] == 0.03 and got["cpu_measured_s"] == 0.4
     assert got["codec_predicted_s"] == pytest.approx(p.parts["codec"])
     assert got["cpu_predicted_s"] == pytest.approx(p.parts["cpu"])
+
+
+def test_summary_reports_what_a_wrong_pick_costs():
+    """Per cell, the measured step of the method the model predicts fastest over the measured
+    fastest: 0 where it picks right; the cells it gets wrong are listed with that loss."""
+    def row(cell, method, measured, predicted):
+        return {"source": "s", "model": cell, "rate": "1gbit", "hosts": 4, "method": method,
+                "measured_s": measured, "predicted_s": predicted,
+                "error": predicted / measured - 1}
+    rows = [row("a", "none", 1.0, 0.9), row("a", "twobit", 0.8, 1.0),  # picks none: +25 %
+            row("b", "none", 2.0, 2.0), row("b", "twobit", 1.0, 1.1),  # right
+            row("c", "none", 3.0, 1.0), row("c", "scatter", 2.0, 1.5), row("c", "auto", 2.4, 3)]
+    s = advise.summary(rows)
+    assert s["cells"] == 3 and s["fastest_hits"] == 1
+    assert s["worst_pick_loss"] == pytest.approx(0.5)  # c: none at 3.0 against scatter at 2.0
+    assert s["median_pick_loss"] == pytest.approx(0.25)
+    assert [(m["model"], m["fastest"], m["picked"]) for m in s["misses"]] == [
+        ("a", "twobit", "none"), ("c", "scatter", "none")]
+    assert s["misses"][0]["pick_loss"] == pytest.approx(0.25)

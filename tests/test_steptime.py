@@ -19,7 +19,7 @@ BOUND = steptime.load_profile("h100-bound")
 def test_scatter_words_match_chunks(numels, auto, nranks):
     lay = layout.Layout(numels, auto, *(layout.wire.validate_blocks("auto") if auto else (None, None)))
     chunks = scatter_wire.Chunks(lay, nranks)
-    sent, red = steptime._scatter_words(lay, nranks)
+    sent, red = steptime.scatter_words(lay, nranks)
     assert sent == sum(chunks.sent_words(c) for c in range(nranks))
     assert red == sum(chunks.reduced_words(c) for c in range(nranks))
 
