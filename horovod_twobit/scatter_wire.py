@@ -36,7 +36,7 @@ chunk's index; 8 N. Every owner receives every rank's header, so every rank chec
 headers and raises the same :class:`~horovod_twobit.wire.PayloadMismatchError`.
 """
 
-from . import wire
+from . import wire, wire_checks
 from .wire import PayloadMismatchError
 
 HEADER_WORDS = 9
@@ -238,7 +238,7 @@ def check_headers(headers, names, owner, nranks):
             "%s: ranks bucketed different tensors (members, values, digest by rank: %s): the "
             "tensors must have the same sizes on every rank, and every rank must use the same "
             "bucket_bytes and block settings" % (what, layouts) + more)
-    wire.check_thresholds(headers, what, more)
+    wire_checks.check_thresholds(headers, what, more)
     if any(h.nranks != nranks or h.chunk != owner for h in headers):
         raise PayloadMismatchError(
             "%s: ranks cut the bucket for different numbers of ranks %s" % (

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from horovod_twobit import reference as ref
-from horovod_twobit import wire
+from horovod_twobit import wire, wire_checks
 
 
 def test_layout_example_first_byte():
@@ -59,14 +59,14 @@ def test_split_gathered_reports_size_mismatch():
     a = wire.make_header(16, 0.5) + [0]
     b = wire.make_header(17, 0.5) + [0, 0]
     with pytest.raises(wire.PayloadMismatchError, match=r"different sizes \[16, 17\]"):
-        wire.split_gathered(a + b, 2, "w")
+        wire_checks.split_gathered(a + b, 2, "w")
 
 
 def test_split_gathered_reports_threshold_mismatch():
     a = wire.make_header(16, 0.5) + [0]
     b = wire.make_header(16, 0.25) + [0]
     with pytest.raises(wire.PayloadMismatchError, match="different thresholds"):
-        wire.split_gathered(a + b, 2, "w")
+        wire_checks.split_gathered(a + b, 2, "w")
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "Auto", "", None, True, 1e-50])

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 
-from .. import wire
+from .. import wire, wire_checks
 from ..layout import Layout
 from . import codec
 from .bucket_passes import passes_of, plan_of
@@ -170,7 +170,7 @@ def _validated(gathered, lay, head, nranks, keys):
 
 def _raise_mismatch(flat, nranks, keys):
     flat = [int(x) for x in np.asarray(flat).reshape(-1)]
-    wire.split_bucket(lambda a, b: flat[a:b], len(flat), nranks, list(keys))
+    wire_checks.split_bucket(lambda a, b: flat[a:b], len(flat), nranks, list(keys))
     raise wire.PayloadMismatchError("bucket of %s: ranks sent incompatible payloads" % keys[0])
 
 

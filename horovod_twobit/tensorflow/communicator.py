@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 
-from .. import scatter_wire, wire
+from .. import scatter_wire, wire, wire_checks
 from . import codec, kernels
 from .bucket import BucketExchange, layout_of
 
@@ -155,7 +155,7 @@ def validated(gathered, numel, threshold, nranks, key, block=None):
 
 
 def _raise_mismatch(flat, nranks, key):
-    wire.split_gathered([int(x) for x in np.asarray(flat).reshape(-1)], nranks, key)
+    wire_checks.split_gathered([int(x) for x in np.asarray(flat).reshape(-1)], nranks, key)
     raise wire.PayloadMismatchError("tensor %r: ranks sent incompatible payloads" % (key,))
 
 

@@ -39,7 +39,7 @@ import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 
-from .. import scatter_wire, wire
+from .. import scatter_wire, wire, wire_checks
 from . import bucket, codec, scatter_codec
 
 
@@ -129,9 +129,9 @@ def _check_plans(layout, nranks, keys, gathered):
     """Parses gathered plans as the allgather exchange parses payloads (see ``torch.codec``)."""
     flat = [int(x) for x in np.asarray(gathered).reshape(-1)]
     if layout.single:
-        wire.split_gathered(flat, nranks, keys[0])
+        wire_checks.split_gathered(flat, nranks, keys[0])
     else:
-        wire.split_bucket(lambda a, b: flat[a:b], len(flat), nranks, list(keys))
+        wire_checks.split_bucket(lambda a, b: flat[a:b], len(flat), nranks, list(keys))
 
 
 def run(compressor, ex, layout, keys, process_set, op_name, ignore_name_scope):

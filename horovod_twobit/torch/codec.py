@@ -4,7 +4,7 @@ live in :mod:`horovod_twobit.torch.kernels`."""
 
 import torch
 
-from .. import wire
+from .. import wire, wire_checks
 from . import kernels, levels
 
 
@@ -170,9 +170,9 @@ def split_single(gathered, numel, nranks, name, block=None):
         if headers is not None and all(h.numel == numel for h in headers):
             # Every header sits where this rank expects it and agrees on the size: the sequential
             # parse every rank would do visits exactly these offsets, so the decision is the same.
-            wire.check_headers(headers, name)
+            wire_checks.check_headers(headers, name)
             return [(h, rows[i, wire.HEADER_WORDS:]) for i, h in enumerate(headers)]
-    wire.split_gathered(gathered.tolist(), nranks, name)  # raises the precise error
+    wire_checks.split_gathered(gathered.tolist(), nranks, name)  # raises the precise error
     raise wire.PayloadMismatchError("tensor %r: ranks sent incompatible payloads" % name)
 
 
@@ -181,9 +181,9 @@ def check_plans(layout, gathered, nranks, names):
     exchange parses payloads, so a rank that sent a payload instead makes every rank raise the
     same PayloadMismatchError."""
     if layout.single:
-        wire.split_gathered(gathered.tolist(), nranks, names[0])
+        wire_checks.split_gathered(gathered.tolist(), nranks, names[0])
     else:
-        wire.split_bucket(lambda a, b: gathered[a:b].tolist(), gathered.numel(), nranks, names)
+        wire_checks.split_bucket(lambda a, b: gathered[a:b].tolist(), gathered.numel(), nranks, names)
 
 
 def _rows(layout, gathered, nranks, names):
@@ -199,11 +199,11 @@ def _rows(layout, gathered, nranks, names):
         rows = gathered.view(nranks, stride)
         heads = rows[:, :layout.head_words].tolist()
         try:
-            headers = [wire.BucketHeader(h) for h in heads]
+            headers = [wire_checks.BucketHeader(h) for h in heads]
         except wire.PayloadMismatchError:
             headers = None
         if headers is not None and all(h.length == stride for h in headers):
-            wire.check_bucket_headers(headers, names)
+            wire_checks.check_bucket_headers(headers, names)
             flags = []
             for h, words in zip(headers, heads):
                 if h.nonfinite:
@@ -212,7 +212,7 @@ def _rows(layout, gathered, nranks, names):
                 else:
                     flags.append([False] * layout.members)
             return headers, list(rows), flags
-    wire.split_bucket(lambda a, b: gathered[a:b].tolist(), total, nranks, names)
+    wire_checks.split_bucket(lambda a, b: gathered[a:b].tolist(), total, nranks, names)
     raise wire.PayloadMismatchError("bucket of %s: ranks sent incompatible payloads" % names[0])
 
 
