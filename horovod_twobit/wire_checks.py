@@ -5,7 +5,8 @@ other (format version, sizes, members, threshold mode and value, exchange), each
 bytes, so the same on every rank, and names the fix. The format itself is :mod:`horovod_twobit.wire`.
 """
 
-from .wire import (BUCKET_HEADER_WORDS, FLAG_AUTO, FLAG_BUCKET, FLAG_NONFINITE, FLAG_PLAN, FORMAT_VERSION, HEADER_WORDS, Header, PayloadMismatchError, body_words, float_bits)
+from .wire import (BUCKET_HEADER_WORDS, FLAG_BUCKET, FLAG_PLAN, FORMAT_VERSION, HEADER_WORDS,
+                   Header, PayloadMismatchError, body_words, float_bits)
 
 
 def check_exchange(headers, what, more=""):
@@ -21,28 +22,19 @@ def check_exchange(headers, what, more=""):
             "on every rank when the model is)" % (what, plans, others) + more)
 
 
-class BucketHeader:
-    """A parsed bucket payload header (see :func:`make_bucket_header`)."""
+class BucketHeader(Header):
+    """A parsed bucket payload header (see :func:`horovod_twobit.wire.make_bucket_header`): a
+    :class:`~horovod_twobit.wire.Header` (never with blocks) and the bucket's words."""
 
-    __slots__ = ("version", "flags", "numel", "threshold", "members", "digest", "length")
+    __slots__ = ("members", "digest", "length")
 
     def __init__(self, words):
-        h = Header(words[:HEADER_WORDS])
-        if not h.flags & (FLAG_BUCKET | FLAG_PLAN) or h.block:
+        super().__init__(words[:HEADER_WORDS])
+        if not self.flags & (FLAG_BUCKET | FLAG_PLAN) or self.block:
             raise PayloadMismatchError("not a bucket payload")
-        self.version, self.flags, self.numel = h.version, h.flags, h.numel
-        self.threshold = h.threshold
         self.members = int(words[5])
         self.digest = int(words[6])
         self.length = int(words[7])
-
-    @property
-    def nonfinite(self):
-        return bool(self.flags & FLAG_NONFINITE)
-
-    @property
-    def auto(self):
-        return bool(self.flags & FLAG_AUTO)
 
 
 def check_bucket_headers(headers, names):
