@@ -6,7 +6,7 @@ import torch
 
 from horovod_twobit import reference as ref
 from horovod_twobit import wire, wire_checks
-from horovod_twobit.torch import TwoBitCompressor, compiled, kernels, levels
+from horovod_twobit.torch import TwoBitCompressor, compiled, decode_kernels, kernels, levels
 
 
 @pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms", "mean*3", "lsq*2"])
@@ -94,7 +94,7 @@ def test_header_carries_the_senders_value():
         rows.append(words)
     parts = _split(torch.from_numpy(np.concatenate(rows)), 33, 2, "w")
     assert [h.threshold for h, _ in parts] == [0.25, 0.0625] and all(h.auto for h, _ in parts)
-    out = kernels.decode_sum([w for _, w in parts], [h.threshold for h, _ in parts], 33, 2)
+    out = decode_kernels.decode_sum([w for _, w in parts], [h.threshold for h, _ in parts], 33, 2)
     assert out[0].item() == (0.25 + 0.0625) / 2 and out[1].item() == -(0.25 + 0.0625) / 2
     assert out[2].item() == 0
 
@@ -160,7 +160,7 @@ def test_block_levels_match_reference(monkeypatch, rule, path, n, block):
     tw, vw = kernels.per_word(t, block, n), kernels.per_word(v, block, n)
     words, _ = kernels.pack(R, G, tw)
     np.testing.assert_array_equal(words.cpu().numpy(), want)
-    out = kernels.finish([words, words], [vw, vw], R, G.clone(), tw, 2, magnitude=vw)
+    out = decode_kernels.finish([words, words], [vw, vw], R, G.clone(), tw, 2, magnitude=vw)
     np.testing.assert_array_equal(R.cpu().numpy().view(np.int32), rr.view(np.int32))
     np.testing.assert_array_equal(out.cpu().numpy(), ref.decode(want, n, ref.per_value(vb, block, n)))
 
@@ -184,7 +184,7 @@ def test_block_header_and_body():
     w = ref.Workers(2, "auto", block=block)
     want = w.allreduce("w", grads)
     mags = [kernels.per_word(body[:3].view(torch.float32), block, n) for _, body in parts]
-    got = kernels.decode_sum([body[3:] for _, body in parts], mags, n, 2)
+    got = decode_kernels.decode_sum([body[3:] for _, body in parts], mags, n, 2)
     np.testing.assert_array_equal(got.numpy(), want)
     assert len({float(m[0]) for m in mags}) == 2  # the senders' magnitudes differ
 

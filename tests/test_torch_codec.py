@@ -80,7 +80,7 @@ def test_cuda_matches_cpu():
 def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path, chunk):
     """Both paths, with the packing done in one chunk or in many (48 values: 3 words each), or
     in one pass of whole words as on a GPU."""
-    from horovod_twobit.torch import compiled, kernels
+    from horovod_twobit.torch import compiled, decode_kernels, kernels
     if chunk == "one pass":
         monkeypatch.setattr(kernels, "_one_pass", lambda device: True)
     else:
@@ -96,20 +96,22 @@ def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path, chu
             np.testing.assert_array_equal(decode(torch.from_numpy(want), n, 0.1).numpy(),
                                           ref.decode(want, n, 0.1))
         rows = [torch.from_numpy(ref.encode(g, np.zeros(n, np.float32), 0.1)) for g in _grads(n, 0.1, 3, 7)]
-        got = kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5)
+        got = decode_kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5)
         want = ref.aggregate([ref.decode(w.numpy(), n, 0.1) for w in rows], "average", 0.5, 1.0)
         np.testing.assert_array_equal(got.numpy(), want)
         # into a kept buffer, and in the GPU's order of work (the division after the pass)
-        late_division = kernels._late_division
+        late_division = decode_kernels._late_division
         for late in (False, True):
-            monkeypatch.setattr(kernels, "_late_division", lambda dev, numel, late=late: late)
+            monkeypatch.setattr(decode_kernels, "_late_division",
+                                lambda dev, numel, late=late: late)
             buf = torch.full((16 * wire.num_words(n),), 7.0)
-            got = kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5, out=buf)
+            got = decode_kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5, out=buf)
             np.testing.assert_array_equal(got.numpy(), want)
             assert got.data_ptr() == buf.data_ptr() and not buf[n:].any()
             np.testing.assert_array_equal(
-                kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3, scale=0.5).numpy(), want)
-        monkeypatch.setattr(kernels, "_late_division", late_division)
+                decode_kernels.decode_sum(rows, [0.1, 0.1, 0.1], n, divisor=3,
+                                          scale=0.5).numpy(), want)
+        monkeypatch.setattr(decode_kernels, "_late_division", late_division)
     assert not compiled.disabled, "compilation failed and fell back to eager"
 
 
@@ -150,9 +152,9 @@ def test_pack_words_and_word_flags(monkeypatch, way, per_word):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("into", ["gradient", "new tensor"])
 def test_finish_commits_and_decodes_in_one_pass(monkeypatch, path, dtype, into):
-    """kernels.finish = commit (r <- r + g - q) + decode-sum, written over g or into a new tensor:
-    the reference's bits either way, the tail of a partial last word included."""
-    from horovod_twobit.torch import compiled, kernels
+    """decode_kernels.finish = commit (r <- r + g - q) + decode-sum, written over g or into a new
+    tensor: the reference's bits either way, the tail of a partial last word included."""
+    from horovod_twobit.torch import compiled, decode_kernels
     monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
     monkeypatch.setattr(compiled, "disabled", False)
     for n in (16, 1000, 4099):
@@ -164,7 +166,7 @@ def test_finish_commits_and_decodes_in_one_pass(monkeypatch, path, dtype, into):
         want_sum = ref.aggregate([ref.decode(w.numpy(), n, 0.1) for w in rows], "average", 0.5, 1.0)
         ref.encode(g32, r_ref, 0.1)  # the commit this rank's own step makes
         out = None if into == "gradient" else torch.empty(n, dtype=dtype)
-        got = kernels.finish(rows, [0.1, 0.1], r, g, 0.1, divisor=2, scale=0.5, out=out)
+        got = decode_kernels.finish(rows, [0.1, 0.1], r, g, 0.1, divisor=2, scale=0.5, out=out)
         assert got is (g if out is None else out)
         np.testing.assert_array_equal(r.numpy(), r_ref)
         np.testing.assert_array_equal(got.numpy(), torch.from_numpy(want_sum).to(dtype).numpy())

@@ -15,15 +15,15 @@ from test_torch_buckets import _grads, encode_all
 
 SIZES = [1, 15, 16, 17, 40, 480, 1000, 9216, 70003]
 # "cpu, late division": the GPU's order of work on the CPU (compiled passes without the division,
-# then a correctly rounded one: kernels._late_division)
+# then a correctly rounded one: decode_kernels._late_division)
 DEVICES = ["cpu", "cpu, late division", pytest.param(
     "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
 
 
 def _device(monkeypatch, device):
-    from horovod_twobit.torch import compiled, kernels
+    from horovod_twobit.torch import compiled, decode_kernels
     if device == "cpu, late division":
-        monkeypatch.setattr(kernels, "_late_division",
+        monkeypatch.setattr(decode_kernels, "_late_division",
                             lambda dev, n: (n >= compiled.COMPILE_MIN_NUMEL
                                             and not compiled.disabled))
     return device.split(",")[0]

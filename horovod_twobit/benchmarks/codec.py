@@ -7,9 +7,9 @@
 For each framework, size and device it prints, in GB/s of float32 gradient (4 bytes per value):
 - encode: what a rank does before the gather (``quantize_pack``: read g and r, threshold, write
   the packed words),
-- decode-sum: what it does after the gather, in one pass (``kernels.finish``): the residual update
-  r <- r + g - q, and the decoded sum of ``--ranks`` payloads written over the gradient, as
-  ``hvd.DistributedOptimizer``'s in-place allreduce does,
+- decode-sum: what it does after the gather, in one pass (``decode_kernels.finish``): the
+  residual update r <- r + g - q, and the decoded sum of ``--ranks`` payloads written over the
+  gradient, as ``hvd.DistributedOptimizer``'s in-place allreduce does,
 - probe: an in-place ``r.add_(g)`` over the same bytes (read g and r, write r), the memory
   bandwidth a fused pass can hope for,
 and each codec figure as a percentage of the probe, for the compiled path (PyTorch: torch.compile;
@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from horovod_twobit.torch import codec, compiled, kernels
+from horovod_twobit.torch import codec, compiled, decode_kernels
 
 
 def _parse_size(s):
@@ -73,7 +73,7 @@ def measure(n, device, ranks=2, path="compiled", threshold=0.5):
 
         t_enc, t_dec, t_probe = _time_round_robin(
             [lambda: codec.quantize_pack(g, r, threshold, out=words),  # as the communicator does
-             lambda: kernels.finish(rows, ts, r, g, threshold, ranks),
+             lambda: decode_kernels.finish(rows, ts, r, g, threshold, ranks),
              lambda: r.add_(g)], device)
     finally:
         compiled.COMPILE_MIN_NUMEL = old

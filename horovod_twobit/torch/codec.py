@@ -5,7 +5,7 @@ live in :mod:`horovod_twobit.torch.kernels`."""
 import torch
 
 from .. import wire, wire_checks
-from . import kernels, levels
+from . import decode_kernels, kernels, levels
 
 
 def _check(grad, residual):
@@ -75,7 +75,7 @@ def decode(words, numel, threshold):
                         % (words.dtype, tuple(words.shape)))
     if words.numel() != wire.num_words(numel):
         raise ValueError("%d values need %d words, got %d" % (numel, wire.num_words(numel), words.numel()))
-    return kernels.decode_sum([words.contiguous()], [t], numel)
+    return decode_kernels.decode_sum([words.contiguous()], [t], numel)
 
 
 # ----------------------------------------------------------------- payloads of a bucket (layout)
@@ -233,7 +233,7 @@ def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, 
         ts = [h.threshold for h in headers]
     bad = [any(b[i] for b in bad) for i in range(layout.members)]
     if not any(bad):
-        kernels.finish(words, ts, r, g, t, divisor, scale, out=out, magnitude=v)
+        decode_kernels.finish(words, ts, r, g, t, divisor, scale, out=out, magnitude=v)
         return dest, False
     for i, ((w0, nw), start, n) in enumerate(zip(layout.member_offsets(), layout.starts,
                                                  layout.numels)):
@@ -243,7 +243,7 @@ def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, 
             dest[start:start + n].fill_(float("nan"))
             continue
         span = slice(start, start + (n if layout.single else 16 * nw))
-        kernels.finish([w[w0:w0 + nw] for w in words], [kernels.span(x, w0, nw) for x in ts],
+        decode_kernels.finish([w[w0:w0 + nw] for w in words], [kernels.span(x, w0, nw) for x in ts],
                        r[span], g[span], kernels.span(t, w0, nw), divisor, scale,
                        out=None if out is None else out[span], magnitude=kernels.span(v, w0, nw))
     return dest, True

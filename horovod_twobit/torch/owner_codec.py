@@ -11,7 +11,7 @@ rank decodes k * a and the owner keeps e = x - k * a.
 import torch
 
 from .. import scatter_wire as sw
-from . import compiled, kernels, scatter_codec
+from . import compiled, decode_kernels, kernels, scatter_codec
 
 _FLT_MIN = float(torch.finfo(torch.float32).tiny)
 _LOW_BITS = ~3
@@ -128,5 +128,5 @@ def owner_values(body, pieces, nwords, nvalues, divisor, scale, words=None, out=
 
 
 def _values(planes, a_w, nwords, nvalues, divisor, scale):
-    return kernels.call_divided("owner_values", nvalues, planes.device, planes, a_w, nwords,
-                                divisor=divisor, scale=scale)[:nvalues]
+    return decode_kernels.call_divided("owner_values", nvalues, planes.device, planes, a_w,
+                                       nwords, divisor=divisor, scale=scale)[:nvalues]

@@ -17,7 +17,7 @@ import torch
 
 from .. import scatter_wire as sw
 from .. import wire
-from . import compiled, kernels, owner_codec
+from . import compiled, decode_kernels, kernels, owner_codec
 
 
 def _cached(chunks, key, make):
@@ -119,7 +119,8 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule=None, r
     mags = [received[b:b + nm].view(torch.float32) for b in body]
     ts = [torch.repeat_interleave(m, piece_words[owner], output_size=wc) for m in mags]
     x = residual.new_zeros(owner_codec.scratch_values(wc)) if scratch is None else scratch
-    S = kernels.decode_sum(rows, ts, nvalues, out=x[:16 * wc]) if wc else residual.new_empty(0)
+    S = (decode_kernels.decode_sum(rows, ts, nvalues, out=x[:16 * wc]) if wc
+         else residual.new_empty(0))
     body = owner_codec.owner_encode(chunks.pieces[owner], wc, residual, S, bad, piece_words[owner],
                                     x=x)
     return torch.cat([reduced[owner], body]), bad
@@ -135,7 +136,7 @@ def _counts(rows, nranks, wc, scratch=None):
     if not wc:
         return rows[0].new_empty(0)
     out = None if scratch is None else scratch[:16 * wc]
-    counts = kernels.decode_sum(rows, [1.0] * nranks, 16 * wc, out=out)
+    counts = decode_kernels.decode_sum(rows, [1.0] * nranks, 16 * wc, out=out)
     counts.add_(nranks)
     u = counts.view(torch.int32)
     u.copy_(counts)  # same places, same size: each value converted where it lies
@@ -231,8 +232,9 @@ def count_values(words, nvalues, bits, nranks, thr, div, sc):
     on one CPU thread: 88 ms, against 430 ms eagerly), else :func:`unpack_counts` and the same
     operations."""
     if compiled.compiles(nvalues):
-        return kernels.call_divided("count_values", nvalues, words.device, words.view(bits, -1),
-                                    nranks, thr, divisor=div, scale=sc)[:nvalues]
+        return decode_kernels.call_divided("count_values", nvalues, words.device,
+                                           words.view(bits, -1), nranks, thr, divisor=div,
+                                           scale=sc)[:nvalues]
     return unpack_counts(words, nvalues, bits, nranks) * (thr[:nvalues] if thr.dim() else thr) / div * sc
 
 
@@ -269,8 +271,9 @@ def finish_reduced(chunks, gathered, names, r, g, t, v, bad, divisor, scale, out
         raise wire.PayloadMismatchError("tensor %r: owners sent malformed reduced chunks" % names[0])
     spans = [(s, n) for s, n in zip(layout.starts, layout.numels)]
     # then each chunk's commit and decode share one pass; not where the compiled pass cannot
-    # divide correctly rounded (a GPU whose Inductor lacks the option: kernels._late_division)
-    late = kernels._late_division(dev, layout.values)  # every chunk decides as the bucket
+    # divide correctly rounded (a GPU whose Inductor lacks the option:
+    # decode_kernels._late_division)
+    late = decode_kernels._late_division(dev, layout.values)  # every chunk decides as the bucket
     fused = not any(bad) and not layout.auto and not late
     if not fused:  # the commit first, of the members that held no NaN or Inf (it reads g)
         for s, e in _good_runs(layout, bad):
