@@ -2,7 +2,8 @@
 :func:`split_gathered`; a bucket's, :func:`split_bucket`) and their headers checked against each
 other (format version, sizes, members, threshold mode and value, exchange), each mismatch a
 :class:`~horovod_twobit.wire.PayloadMismatchError` whose message depends only on the gathered
-bytes, so the same on every rank, and names the fix. The format itself is :mod:`horovod_twobit.wire`.
+bytes, so the same on every rank, and names the fix. The format itself is
+:mod:`horovod_twobit.wire`.
 """
 
 from .wire import (BUCKET_HEADER_WORDS, FLAG_BUCKET, FLAG_PLAN, FORMAT_VERSION, HEADER_WORDS,

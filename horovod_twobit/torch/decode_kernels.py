@@ -19,7 +19,8 @@ def _decoded(words, ts, shifts, divisor, scale):
     for i in range(len(words)):
         c = (words[i].unsqueeze(1) >> shifts) & 3
         t = ts[i]
-        v = torch.where(c == wire.CODE_POS, t, torch.where(c == wire.CODE_NEG, -t, torch.zeros_like(t)))
+        v = torch.where(c == wire.CODE_POS, t,
+                        torch.where(c == wire.CODE_NEG, -t, torch.zeros_like(t)))
         out = v if out is None else out + v
     return out if divisor is None else out / divisor * scale
 
@@ -48,8 +49,9 @@ compiled.BODIES["finish"] = _finish_body
 
 def decode_sum(rows, thresholds, numel, divisor=1.0, scale=1.0, out=None):
     """float32 sum, in rank order, of the decoded ``rows`` (1-D int32 words, one per rank, each
-    with ``thresholds[i]``: a number, or one per word), divided by ``divisor`` and multiplied by ``scale``: the reference's
-    float32 operations in the reference's order (v0 + v1 + ..., then / divisor, then * scale).
+    with ``thresholds[i]``: a number, or one per word), divided by ``divisor`` and multiplied by
+    ``scale``: the reference's float32 operations in the reference's order (v0 + v1 + ..., then
+    / divisor, then * scale).
     The padding codes of the last word are 00, so decoding whole words and keeping the first
     ``numel`` values is exact. ``out`` (1-D float32 of the whole words' 16 * ceil(numel / 16)
     values) receives them, padding included (+0.0), instead of a new tensor."""
@@ -91,7 +93,8 @@ def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, 
     """After the gather, in one pass: commits this rank's error-feedback step (r <- (r + g) - q,
     as :func:`.kernels.commit`, with ``magnitude``) and writes the decode-sum of ``rows`` (as
     :func:`decode_sum`) into ``out`` (1-D, float32 or g's dtype, rounded from the float32 sum),
-    or over ``g`` itself when ``out`` is None: the in-place allreduce of a gradient then needs no output allocation and no copy.
+    or over ``g`` itself when ``out`` is None: the in-place allreduce of a gradient then needs no
+    output allocation and no copy.
     ``r`` is 1-D contiguous float32; ``g`` 1-D contiguous. Thresholds and magnitudes may be one
     per word (:func:`.kernels.per_word`). Returns the tensor written."""
     n = g.numel()
@@ -122,4 +125,3 @@ def finish(rows, thresholds, r, g, threshold, divisor=1.0, scale=1.0, out=None, 
         dest[m:].copy_(_decode_body(last, [_at(x, w) for x in ts], _shifts(dev), divisor,
                                     scale)[:n - m].to(dest.dtype))
     return dest
-
