@@ -70,26 +70,27 @@ def units(sizes, method, nranks, prof, bucket_bytes):
         _CACHE[key] = [(u.members, u.values, u.kind, u.bytes, u.bytes2, u.encode, u.owner,
                         u.decode, u.dtype_bytes)
                        for u in _make(sizes, method, nranks, prof, bucket_bytes)]
-    units = []
+    out = []
     for members, values, kind, b1, b2, enc, own, dec, db in _CACHE[key]:
         u = Unit(members, values, kind)
         u.bytes, u.bytes2, u.encode, u.owner, u.decode, u.dtype_bytes = b1, b2, enc, own, dec, db
-        units.append(u)
-    return units
+        out.append(u)
+    return out
 
 
 def _make(sizes, method, nranks, prof, bucket_bytes):
+    """The units of a step (see :func:`units`), made anew."""
     N = nranks
     if method in ("none", "fp16"):
-        units = []
+        out = []
         for i in reversed(range(len(sizes))):
             if sizes[i]:
                 u = Unit([i], sizes[i], "allreduce")
                 u.dtype_bytes = 2 if method == "fp16" else 4
                 if method == "fp16":
                     u.encode = u.decode = sizes[i] * prof["cast_fp16_s"]
-                units.append(u)
-        return units
+                out.append(u)
+        return out
     auto = method in ("auto", "scatter_auto")
     threshold = "auto" if auto else 0.5
     block, blocks = _wire.validate_blocks(threshold)
@@ -108,7 +109,7 @@ def _make(sizes, method, nranks, prof, bucket_bytes):
         seen.add(i)
     exchange = "scatter" if method.startswith("scatter") else "allgather"
     return [bucket_unit(_layout.Layout([sizes[i] for i in g], auto, block, blocks), exchange, N,
-                         prof, g) for g in groups]
+                        prof, g) for g in groups]
 
 
 def bucket_unit(lay, exchange, nranks, prof, members=None):
