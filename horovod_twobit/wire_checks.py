@@ -51,11 +51,7 @@ def check_bucket_headers(headers, names):
             "%s: ranks %s sent something other than a bucket payload: every rank must use "
             "TwoBitCompressor with the same bucket_bytes and the same model"
             % (what, [i for i, h in enumerate(headers) if h is None]) + more)
-    versions = [h.version for h in headers]
-    if len(set(versions)) != 1 or versions[0] != FORMAT_VERSION:
-        raise PayloadMismatchError(
-            "%s: ranks use payload format versions %s, this rank understands %d: install the same "
-            "horovod-twobit version on every host" % (what, versions, FORMAT_VERSION) + more)
+    check_versions(headers, what, more)
     layouts = [(h.members, h.numel, h.digest, h.length) for h in headers]
     if len(set(layouts)) != 1:
         raise PayloadMismatchError(
@@ -63,6 +59,16 @@ def check_bucket_headers(headers, names):
             "tensors must have the same sizes on every rank, and every rank must use the same "
             "bucket_bytes and block settings" % (what, layouts) + more)
     check_thresholds(headers, what, more)
+
+
+def check_versions(headers, what, more=""):
+    """Raises :class:`PayloadMismatchError` unless every rank's header has this rank's format
+    version."""
+    versions = [h.version for h in headers]
+    if len(set(versions)) != 1 or versions[0] != FORMAT_VERSION:
+        raise PayloadMismatchError(
+            "%s: ranks use payload format versions %s, this rank understands %d: install the same "
+            "horovod-twobit version on every host" % (what, versions, FORMAT_VERSION) + more)
 
 
 def check_thresholds(headers, what, more=""):
@@ -144,11 +150,7 @@ def check_headers(headers, name):
             "tensor %r: ranks %s sent it in a bucket of several tensors, the others alone: every "
             "rank must use TwoBitCompressor with the same bucket_bytes and the same model"
             % (name, bucketed))
-    versions = [h.version for h in headers]
-    if len(set(versions)) != 1 or versions[0] != FORMAT_VERSION:
-        raise PayloadMismatchError(
-            "tensor %r: ranks use payload format versions %s, this rank understands %d: install the "
-            "same horovod-twobit version on every host" % (name, versions, FORMAT_VERSION))
+    check_versions(headers, "tensor %r" % (name,))
     sizes = [h.numel for h in headers]
     if len(set(sizes)) != 1:
         raise PayloadMismatchError(

@@ -5,6 +5,7 @@ import pytest
 
 from horovod_twobit import reference as ref
 from horovod_twobit import wire, wire_checks
+from horovod_twobit.layout import Layout
 
 
 def test_layout_example_first_byte():
@@ -67,6 +68,24 @@ def test_split_gathered_reports_threshold_mismatch():
     b = wire.make_header(16, 0.25) + [0]
     with pytest.raises(wire.PayloadMismatchError, match="different thresholds"):
         wire_checks.split_gathered(a + b, 2, "w")
+
+
+def test_ranks_of_another_format_version_are_refused():
+    """A single tensor's payloads and a bucket's: a rank whose header carries another format
+    version is refused with the versions by rank and the fix, whichever rank it is."""
+    def other(h):  # the same header, format version 2
+        return [(wire.MAGIC << 16) | 2] + h[1:]
+    a = wire.make_header(16, 0.5) + [0]
+    for flat in (a + other(a[:5]) + [0], other(a[:5]) + [0] + a):
+        with pytest.raises(wire.PayloadMismatchError, match=r"format versions \[.*2.*\].*install"):
+            wire_checks.split_gathered(flat, 2, "w")
+    lay = Layout([16, 16])
+    head = lay.header(0.5)
+    body = [0] * (lay.payload_words - len(head))
+    with pytest.raises(wire.PayloadMismatchError,
+                       match=r"format versions \[1, 2\].*install.*travels in one bucket"):
+        wire_checks.split_bucket(lambda i, j: (head + body + other(head) + body)[i:j],
+                                 2 * lay.payload_words, 2, ["w", "b"])
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "Auto", "", None, True, 1e-50])
