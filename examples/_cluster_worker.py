@@ -184,12 +184,23 @@ def horovod_setup(args, methods):
             compression=compression)
         runs.append((method, net, net, batch, opt))
 
+    dilated_twobit_waits()
     if not args.spin_wait:
         sleeping_waits()
 
     def barrier():
         hvd.allreduce(torch.zeros(1), name="barrier", op=hvd.Sum)
     return runs, hvd.rank(), hvd.size(), barrier
+
+
+def dilated_twobit_waits():
+    """On a dilated cluster (docs/emulation.md) a real host's polls come D times less often in
+    the cluster's time: TwoBit's waits (``horovod_twobit.torch.progress``: 20 us doubling up to
+    0.5 ms) then sleep D times longer. Returns (first, longest) sleep in seconds."""
+    from horovod_twobit.torch import progress as twobit_waits
+    d = float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+    twobit_waits.POLL_S = tuple(d * s for s in twobit_waits.DEFAULT_POLL_S)
+    return twobit_waits.POLL_S
 
 
 def sleeping_waits():
@@ -200,19 +211,18 @@ def sleeping_waits():
     the ranks that have work (their Gloo threads moving bytes, their codec): the benchmark would
     then measure the host's spinning neighbours. With a core per host that cost would not exist.
     TwoBit's own waits sleep already; this gives no compression and fp16 the same wait, so that
-    the methods differ only in what they send and compute (``--spin-wait`` keeps Horovod's)."""
+    the methods differ only in what they send and compute (``--spin-wait`` keeps Horovod's).
+    Both poll D times less often on a dilated cluster (:func:`dilated_twobit_waits`)."""
     import horovod.torch as hvd
     import horovod.torch.optimizer as hvd_optimizer
     inner = hvd_optimizer.synchronize
-
-    # on a dilated cluster (docs/emulation.md) a real host's polls come D times less often
-    d = float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+    first, most = dilated_twobit_waits()
 
     def synchronize(handle):
-        delay = 2e-5 * d
+        delay = first
         while isinstance(handle, int) and not hvd.poll(handle):  # Horovod's own handles
             time.sleep(delay)
-            delay = min(2 * delay, 5e-4 * d)
+            delay = min(2 * delay, most)
         return inner(handle)
     hvd_optimizer.synchronize = synchronize
 

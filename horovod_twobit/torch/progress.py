@@ -15,6 +15,10 @@ import threading
 import time
 
 _pending = []  # flights whose second phase is not submitted yet, in launch order
+# (the first, the longest) sleep between two polls of :func:`wait`, in seconds; an emulation of
+# slower hosts by time dilation D polls D times less often (examples/_cluster_worker.py)
+DEFAULT_POLL_S = (2e-5, 5e-4)
+POLL_S = DEFAULT_POLL_S
 _lock = threading.RLock()
 _inside = threading.local()
 
@@ -52,10 +56,10 @@ def wait(done, until_done=True):
     With ``until_done=False`` it returns as soon as no flight needs progress: a blocking wait can
     then no longer starve another rank (the router's ``synchronize`` of plain Horovod handles,
     which then waits as Horovod does)."""
-    delay = 2e-5
+    delay, longest = POLL_S
     while True:
         advance()
         if done() or (not until_done and not _pending):
             return
         time.sleep(delay)
-        delay = min(2 * delay, 5e-4)
+        delay = min(2 * delay, longest)
