@@ -74,6 +74,12 @@ def advise(sizes, compute_s, workers, rate, profile, methods=steptime.METHODS, *
             for m, p in preds.items()}
 
 
+def _close_calls(res):
+    """:func:`steptime.close_calls` of :func:`advise`'s predictions, among this project's methods
+    (PowerSGD is a reference point)."""
+    return steptime.close_calls({m: r["step_s"] for m, r in res.items() if m != "powersgd"})
+
+
 def break_even_table(sizes, compute_s, profile, counts, methods, **kw):
     """{N: {method: bits/s or None (always pays) or 0.0 (never)}}."""
     return {N: {m: steptime.break_even_rate(sizes, m, N, compute_s, profile, **kw)
@@ -174,7 +180,7 @@ def main_predict(argv):
                           "values": sum(sizes), "tensors": len(sizes),
                           "profile": {"name": prof.get("name"), "kind": prof.get("kind"),
                                       "source": prof.get("source")},
-                          "methods": res}, indent=1))
+                          "methods": res, "close_calls": _close_calls(res)}, indent=1))
     else:
         print("model: %s values in %d tensors; compute %.1f ms per step; %d workers; link %s, "
               "latency %s" % (_count(sum(sizes)), len(sizes), args.step_ms, args.workers,
@@ -190,6 +196,13 @@ def main_predict(argv):
             print("| %s | %.1f | %.2fx | %s | %s |" % (
                 steptime.LABELS[m], r["step_s"] * 1e3, r["speedup"], _fmt_bytes(r["bytes_sent"]),
                 "host CPU" if r["bound"] == "cpu" else "step's critical path"))
+        close = _close_calls(res)
+        print("\nFastest predicted: %s." % steptime.LABELS[close[0]] + (
+            " Within %d %% of it, closer than the model's error against measured steps "
+            "(docs/where_it_pays.md): %s; time these on the cluster before choosing." % (
+                round(100 * steptime.CLOSE_CALL),
+                ", ".join(steptime.LABELS[m] for m in close[1:])) if close[1:] else
+            " No other method within %d %% of it." % round(100 * steptime.CLOSE_CALL)))
         counts = [int(c) for c in args.counts.split(",") if c]
         if args.workers not in counts:
             counts = sorted(counts + [args.workers])

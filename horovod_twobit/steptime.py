@@ -258,6 +258,18 @@ def predict_all(sizes, nranks, rate, compute_s, profile, methods=METHODS, **kw):
     return {m: predict(sizes, m, nranks, rate, compute_s, profile, **kw) for m in methods}
 
 
+# how close two methods' predicted steps lie before the model cannot say which is faster: about
+# its median error against the emulation's measured steps (docs/where_it_pays.md)
+CLOSE_CALL = 0.10
+
+
+def close_calls(steps, margin=CLOSE_CALL):
+    """The methods of ``steps`` ({method: predicted step seconds}) within ``margin`` of the
+    fastest, fastest first: the ones the model cannot tell apart, to be timed on the cluster."""
+    best = min(steps.values())
+    return sorted((m for m, s in steps.items() if s <= best * (1 + margin)), key=steps.get)
+
+
 def break_even_rate(sizes, method, nranks, compute_s, profile, lo=1e7, hi=1e13, **kw):
     """The link rate (bits/s) below which ``method`` is faster than no compression (None if it
     is faster at every rate from ``lo`` to ``hi``, 0.0 if at none). Bisection in log(rate)."""

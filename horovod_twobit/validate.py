@@ -140,18 +140,24 @@ def summary(rows):
     """Median and worst |error|; the share of (source, model, rate, N) cells whose fastest
     method the model picks; and what following the model costs where it does not: per cell,
     the measured step of the method it picks over the measured fastest, less 1
-    (``pick_loss``: median and worst over the cells; ``misses``: the cells it gets wrong)."""
+    (``pick_loss``: median and worst over the cells; ``misses``: the cells it gets wrong); and
+    how often the measured fastest is among the methods the advisor names as too close to call
+    (:func:`steptime.close_calls` of the predicted steps; ``close_call_hits``, with the mean
+    number of methods it names per cell, ``close_call_size``)."""
     errs = [abs(r["error"]) for r in rows]
     cells = {}
     for r in rows:
         cells.setdefault((r["source"], r["model"], r["rate"], r["hosts"]), []).append(r)
-    hits, losses, misses = [], [], []
+    hits, losses, misses, close_hits, close_sizes = [], [], [], [], []
     for c in cells.values():
         if len(c) < 2:
             continue
         best = min(c, key=lambda r: r["measured_s"])
         pick = min(c, key=lambda r: r["predicted_s"])
         hits.append(best["method"] == pick["method"])
+        close = steptime.close_calls({r["method"]: r["predicted_s"] for r in c})
+        close_hits.append(best["method"] in close)
+        close_sizes.append(len(close))
         losses.append(pick["measured_s"] / best["measured_s"] - 1)
         if not hits[-1]:
             misses.append({"hosts": best["hosts"], "rate": best["rate"], "model": best["model"],
@@ -161,7 +167,9 @@ def summary(rows):
             "worst_abs_error": max(errs) if errs else None, "cells": len(hits),
             "fastest_hits": sum(hits), "fastest_hit_rate": sum(hits) / len(hits) if hits else None,
             "median_pick_loss": statistics.median(losses) if losses else None,
-            "worst_pick_loss": max(losses) if losses else None, "misses": misses}
+            "worst_pick_loss": max(losses) if losses else None, "misses": misses,
+            "close_call_hits": sum(close_hits),
+            "close_call_size": statistics.mean(close_sizes) if close_sizes else None}
 
 
 def main_validate(argv):
@@ -200,6 +208,10 @@ def main_validate(argv):
                       "%s %d hosts %s: %s for %s, +%.1f %%" % (
                           m["model"], m["hosts"], m["rate"], m["picked"], m["fastest"],
                           100 * m["pick_loss"]) for m in s["misses"]))
+        print("the measured fastest is among the methods within %d %% of the model's pick in %d "
+              "of %d cells (%.1f methods named per cell)" % (
+                  round(100 * steptime.CLOSE_CALL), s["close_call_hits"], s["cells"],
+                  s["close_call_size"] or 0))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"rows": rows, "summary": s}, f, indent=1)

@@ -191,3 +191,43 @@ def test_summary_reports_what_a_wrong_pick_costs():
     assert [(m["model"], m["fastest"], m["picked"]) for m in s["misses"]] == [
         ("a", "twobit", "none"), ("c", "scatter", "none")]
     assert s["misses"][0]["pick_loss"] == pytest.approx(0.25)
+
+
+def test_close_calls_are_the_methods_within_the_margin_of_the_fastest():
+    steps = {"none": 1.00, "fp16": 0.95, "twobit": 0.90, "auto": 0.989, "scatter": 0.991}
+    assert steptime.close_calls(steps) == ["twobit", "fp16", "auto"]  # 0.90 x 1.1 = 0.99
+    assert steptime.close_calls(steps, margin=0.0) == ["twobit"]
+    assert steptime.close_calls({"none": 2.0}) == ["none"]
+
+
+def test_the_advisor_names_the_close_calls(capsys):
+    """The fastest method and every method within CLOSE_CALL of it, in the table's terms and in
+    the JSON; PowerSGD, a reference point only, is never one of them."""
+    args = ["--params", "25.6M", "--step-ms", "120", "--workers", "64", "--rate", "25gbit",
+            "--profile", "h100-bound"]
+    out = json.loads(run(args + ["--json"], capsys))
+    steps = {m: r["step_s"] for m, r in out["methods"].items() if m != "powersgd"}
+    best = min(steps, key=steps.get)
+    assert out["close_calls"][0] == best
+    assert set(out["close_calls"]) == {m for m, s in steps.items()
+                                       if s <= steps[best] * (1 + steptime.CLOSE_CALL)}
+    assert len(out["close_calls"]) > 1  # this case has some: the test sees the list
+    assert "powersgd" not in out["close_calls"]
+    text = run(args, capsys)
+    line = next(l for l in text.splitlines() if l.startswith("Fastest predicted:"))
+    assert line.startswith("Fastest predicted: %s." % steptime.LABELS[best])
+    for m in out["close_calls"][1:]:
+        assert steptime.LABELS[m] in line
+
+
+def test_summary_counts_the_cells_whose_fastest_is_a_close_call():
+    def row(cell, method, measured, predicted):
+        return {"source": "s", "model": cell, "rate": "1gbit", "hosts": 4, "method": method,
+                "measured_s": measured, "predicted_s": predicted,
+                "error": predicted / measured - 1}
+    rows = [row("a", "none", 1.0, 0.90), row("a", "twobit", 0.8, 0.95),  # within 10 %: named
+            row("b", "none", 1.0, 0.90), row("b", "twobit", 0.8, 1.00),  # 11 % away: not
+            row("c", "none", 2.0, 2.00), row("c", "twobit", 1.0, 1.10)]  # picked right
+    s = advise.summary(rows)
+    assert s["fastest_hits"] == 1 and s["close_call_hits"] == 2
+    assert s["close_call_size"] == pytest.approx(4 / 3)
