@@ -317,12 +317,16 @@ def test_validation_c_two_emulations_give_the_same_real_host_steps(tmp_path):
     what the emulation does not control (docs/emulation.md, (a)): an attempt whose steps took
     more than 10 % more or less CPU time per step in one run than in the other is repeated (the
     two emulations take turns at running first), and when every attempt did, the test is skipped
-    with the figures. (Q=1, D=1), the literal reference, is not one of the two: two 1-core hosts
-    fill this machine's 2 cores, which then run slower per CPU second (docs/emulation.md, (c))."""
+    with the figures. Five timed steps per method leave the steps' medians some noise (one
+    attempt in about four missed on a quiet machine, a method 13-18 % apart with its CPU per step
+    within 8 %): an attempt that misses with the CPU alike is repeated once, and two such
+    attempts fail the test. (Q=1, D=1), the literal reference, is not one of the two: two 1-core
+    hosts fill this machine's 2 cores, which then run slower per CPU second (docs/emulation.md,
+    (c))."""
     args = bench_cluster.parser().parse_args(["--hosts", "2", "--steps", "5", "--warmup", "1"])
     args.work = str(tmp_path)
     rate_bps = 1e9
-    attempts = []
+    attempts, misses = [], 0
     for attempt in range(3):
         # the two take turns at going first: a load that rises or falls falls on both alike
         order = E2E_EMULATIONS[::-1] if attempt % 2 else E2E_EMULATIONS
@@ -341,8 +345,12 @@ def test_validation_c_two_emulations_give_the_same_real_host_steps(tmp_path):
         if ranks[0] == ranks[1] and all(abs(x - 1) <= 0.15 for x in ratios.values()):
             break
         if all(0.9 < x < 1.1 for x in cpu_ratios.values()):  # the cores ran at one speed
-            pytest.fail("\n".join(attempts))
+            misses += 1
+            if misses == 2:
+                pytest.fail("\n".join(attempts))
     else:
+        if misses:
+            pytest.fail("\n".join(attempts))
         pytest.skip("the cores' speed changed between the runs of every attempt (other load): "
                     + "; ".join(attempts))
     print("\n".join(attempts))
