@@ -196,13 +196,12 @@ def main_predict(argv):
             print("| %s | %.1f | %.2fx | %s | %s |" % (
                 steptime.LABELS[m], r["step_s"] * 1e3, r["speedup"], _fmt_bytes(r["bytes_sent"]),
                 "host CPU" if r["bound"] == "cpu" else "step's critical path"))
-        close = _close_calls(res)
-        print("\nFastest predicted: %s." % steptime.LABELS[close[0]] + (
-            " Within %d %% of it, closer than the model's error against measured steps "
+        close, pct = _close_calls(res), round(100 * steptime.CLOSE_CALL)
+        others = ", ".join(steptime.LABELS[m] for m in close[1:])
+        print("\nFastest predicted: %s. %s" % (steptime.LABELS[close[0]], (
+            "Within %d %% of it, closer than the model's error against the emulation's steps "
             "(docs/where_it_pays.md): %s; time these on the cluster before choosing." % (
-                round(100 * steptime.CLOSE_CALL),
-                ", ".join(steptime.LABELS[m] for m in close[1:])) if close[1:] else
-            " No other method within %d %% of it." % round(100 * steptime.CLOSE_CALL)))
+                pct, others)) if others else "No other method within %d %% of it." % pct))
         counts = [int(c) for c in args.counts.split(",") if c]
         if args.workers not in counts:
             counts = sorted(counts + [args.workers])
