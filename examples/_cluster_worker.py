@@ -184,8 +184,9 @@ def horovod_setup(args, methods):
             compression=compression)
         runs.append((method, net, net, batch, opt))
 
-    dilated_twobit_waits()
-    if not args.spin_wait:
+    if args.spin_wait:
+        dilated_twobit_waits()  # sleeping_waits() dilates them otherwise
+    else:
         sleeping_waits()
 
     def barrier():

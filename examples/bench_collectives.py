@@ -73,8 +73,11 @@ def main(argv=None):
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--headroom", type=float, default=0.8,
-                    help="Q = cores x headroom / hosts, D = 1 / Q, as bench_cluster's default")
+    ap.add_argument("--cpus-per-host", type=float, default=None,
+                    help="Q, as bench_cluster's (default: cores x --headroom / hosts)")
+    ap.add_argument("--dilation", type=float, default=None,
+                    help="D, as bench_cluster's (default 1 / Q)")
+    ap.add_argument("--headroom", type=float, default=0.8)
     ap.add_argument("--cpu-period-us", type=int, default=10000)
     ap.add_argument("--iface", default="hvd0")
     ap.add_argument("--subnet", default="10.77.0.0/24")
@@ -83,10 +86,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.rounds)
+    from examples.bench_cluster import emulation
     from horovod_twobit.cluster import VirtualCluster
-    q = (os.cpu_count() or 1) * args.headroom / args.hosts
+    q, d = emulation(args)  # bench_cluster's hosts
     with VirtualCluster(n_hosts=args.hosts, rate=args.rate, iface=args.iface,
-                        subnet=args.subnet, cpus_per_host=q, dilation=1.0 / q,
+                        subnet=args.subnet, cpus_per_host=q, dilation=d,
                         cpu_period_us=args.cpu_period_us) as c:
         print(c.describe(), flush=True)
         env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": c.iface}
@@ -98,8 +102,8 @@ def main(argv=None):
         return 1
     got = json.loads(found[0])
     got["rate"] = args.rate
-    print("\n%d hosts at %s (Q = %.2f, D = %.2f), real-host ms, median of %d:" % (
-        args.hosts, args.rate, q, 1.0 / q, args.rounds))
+    print("\n%d hosts at %s (Q = %s, D = %.2f), real-host ms, median of %d:" % (
+        args.hosts, args.rate, "none" if q is None else "%.2f" % q, d, args.rounds))
     for name, ms in got["ms"].items():
         print("  %-18s %6.2f" % (name, ms))
     if args.json_out:

@@ -39,7 +39,7 @@ import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 
-from .. import scatter_wire, wire, wire_checks
+from .. import scatter_wire, wire_checks
 from . import bucket, codec, scatter_codec
 
 
