@@ -436,3 +436,21 @@ def test_bucket_matches_each_tensor_alone_and_torch_bytes(path, threshold, block
             t, v = torch_codec.encode_payload(lay, r_torch[rank], g, threshold, "lsq", p)
             torch_codec.kernels.commit(r_torch[rank], g, t, v)
             assert payloads[rank].numpy().tolist() == p.tolist()
+
+
+@pytest.mark.parametrize("level", [0.5, np.finfo(np.float32).tiny, float("inf"), float("nan")])
+def test_xla_decode_gives_each_code_its_value_for_any_level(level):
+    """The XLA bodies' decode (``codec.decoded``: one select of sign times level) gives the codes
+    what ``codec.values`` gives them, bit for bit (NaN as NaN): +level for 11, -level for 10, +0
+    for 00 and 01, with the smallest level (FLT_MIN), an infinite or a NaN one too (an unsent
+    value never becomes 0 * inf = NaN), inside an XLA body and out of one."""
+    from horovod_twobit.tensorflow import codec
+    c = tf.constant(np.array([[0, 1, 2, 3]] * 2, np.int32))
+    lv = tf.constant([[level], [2.0]], tf.float32)
+    want = codec.values(c, lv).numpy()
+    for got in (codec.decoded(c, lv), tf.function(codec.decoded, jit_compile=True)(c, lv)):
+        got = got.numpy()
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        same = ~np.isnan(want)
+        assert np.array_equal(got[same].view(np.int32), want[same].view(np.int32))
+    assert want[0, 0] == 0 and not np.signbit(want[0, :2]).any() and want[1].tolist() == [0, 0, -2, 2]

@@ -149,8 +149,7 @@ def finish_body(lay, plan, xla, average, scale, rows, checked, count, g, before,
     if xla:  # one word's 16 codes a vector; the rows added in rank order
         c = tf.bitwise.bitwise_and(tf.bitwise.right_shift(
             words[:, :, None], tf.constant(wire.WORD_SHIFTS, tf.int32)), 3)
-        m = mags[:, :, None]
-        v = tf.where(tf.equal(c, wire.CODE_POS), m, tf.where(tf.equal(c, wire.CODE_NEG), -m, 0.0))
+        v = codec.decoded(c, mags[:, :, None])
         out = v[0]
         for i in range(1, nranks):
             out = out + v[i]

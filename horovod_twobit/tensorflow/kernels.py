@@ -46,7 +46,7 @@ def _decode_sum_xla(words, ts, n):
     c = tf.bitwise.bitwise_and(
         tf.bitwise.right_shift(words[:, :, None], tf.constant(wire.WORD_SHIFTS, tf.int32)), 3)
     t = ts[:, None, None] if ts.shape.rank == 1 else ts[:, :, None]
-    v = tf.where(tf.equal(c, wire.CODE_POS), t, tf.where(tf.equal(c, wire.CODE_NEG), -t, 0.0))
+    v = codec.decoded(c, t)
     out = v[0]
     for i in range(1, words.shape[0]):
         out = out + v[i]
