@@ -16,7 +16,9 @@ step 10.1-10.8 ms against 6.4-6.9 ms with Gloo, or with ``OMPI_MCA_mpi_yield_whe
 every microsecond of a rank's own work then costs several in the step. Rank 0
 prints each instance's median step (ms, the slower rank's) and the differences of
 ``every`` and ``once`` to the two never-read instances: the whole cost of reading every step, and
-the step's own share of it. Models and methods are those of :mod:`examples.bench_buckets`
+the step's own share of it; then the same for the CPU time per step (each process's, all its
+threads, summed over the ranks): the work a read adds, whatever the scheduling of the ranks on
+the shared cores. Models and methods are those of :mod:`examples.bench_buckets`
 (``twobit``: a threshold of 0.01; ``auto``); TensorFlow trains with ``DistributedGradientTape``."""
 
 import argparse
@@ -29,23 +31,28 @@ from examples.bench_buckets import tf_step, torch_step
 INSTANCES = ("never", "every", "once", "never2")
 
 
-def measure(steps, rounds, warmup=5):
+def measure(steps, rounds, warmup=5, cpu=None):
     """{instance: step durations}: ``steps`` {instance: (step, compressor)} take turns, the
-    starting instance rotating each round; ``every``'s step includes its read."""
+    starting instance rotating each round; ``every``'s step includes its read. ``cpu``: a dict
+    that gets {instance: the process's CPU time (all its threads) per step} likewise."""
     for step, _ in steps.values():
         for _ in range(warmup):
             step()
     for k in ("every", "once"):
         steps[k][1].stats()
     times, order = {k: [] for k in steps}, list(steps)
+    cpu_times = {k: [] for k in steps}
     for rnd in range(rounds):
         for k in order[rnd % len(order):] + order[:rnd % len(order)]:
             step, comp = steps[k]
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             step()
             if k == "every":
                 comp.stats()
             times[k].append(time.perf_counter() - t0)
+            cpu_times[k].append(time.process_time() - c0)
+    if cpu is not None:
+        cpu.update(cpu_times)
     return times
 
 
@@ -81,9 +88,13 @@ def main(argv=None):
     for k in INSTANCES:
         step, _, comp = build()
         steps[k] = (step, comp)
-    times = measure(steps, args.rounds)
+    cpu = {}
+    times = measure(steps, args.rounds, cpu=cpu)
     per_rank = {k: hvd.allgather_object(statistics.median(t)) for k, t in times.items()}
     med = {k: max(v) for k, v in per_rank.items()}
+    # CPU time per step (the process's, all threads), summed over the ranks: what a read adds
+    # to the work, whatever the scheduling of the ranks on the shared cores
+    cpu_med = {k: sum(hvd.allgather_object(statistics.median(t))) for k, t in cpu.items()}
     if hvd.rank() == 0:
         print("%s %s, %s, %d rounds, %d ranks on localhost sharing %d cores (no network: bound "
               "by the CPU): median step (ms) %s" % (
@@ -93,6 +104,12 @@ def main(argv=None):
         for k in ("every", "once"):
             print("  %s: %+.2f / %+.2f ms against never / never2" % (
                 k, 1e3 * (med[k] - med["never"]), 1e3 * (med[k] - med["never2"])), flush=True)
+        print("  CPU per step, both ranks (ms): %s" % ", ".join(
+            "%s %.2f" % (k, 1e3 * v) for k, v in cpu_med.items()), flush=True)
+        for k in ("every", "once"):
+            print("  %s CPU: %+.2f / %+.2f ms against never / never2" % (
+                k, 1e3 * (cpu_med[k] - cpu_med["never"]), 1e3 * (cpu_med[k] - cpu_med["never2"])),
+                flush=True)
     return med
 
 

@@ -413,8 +413,11 @@ def test_stats_step_benchmark_reads_one_instance_every_step_and_one_once():
             log.append(("read", self.name))
     steps = {k: ((lambda k=k: log.append(("step", k))), Compressor(k))
              for k in bench_stats.INSTANCES}
-    times = bench_stats.measure(steps, rounds=4, warmup=1)
+    cpu = {}
+    times = bench_stats.measure(steps, rounds=4, warmup=1, cpu=cpu)
     assert {k: len(t) for k, t in times.items()} == dict.fromkeys(bench_stats.INSTANCES, 4)
+    assert {k: len(t) for k, t in cpu.items()} == dict.fromkeys(bench_stats.INSTANCES, 4)
+    assert all(c >= 0 for t in cpu.values() for c in t)
     reads = [k for what, k in log if what == "read"]
     assert reads.count("every") == 1 + 4 and reads.count("once") == 1
     assert "never" not in reads and "never2" not in reads
