@@ -168,6 +168,12 @@ def run_tf(args):
     return out, reads, hvd.rank()
 
 
+# Horovod's optimizers and DistributedGradientTape leave the gradients alone on one rank (no
+# allreduce at all), so with one rank no compressor runs and every method times the same step
+ONE_RANK = ("needs 2 ranks or more: on one rank Horovod's DistributedOptimizer and "
+            "DistributedGradientTape skip the allreduce, so no compressor would run")
+
+
 def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor):
     """(a function that runs one synchronous training step, the number of trainable tensors,
     the compression)."""
@@ -247,6 +253,8 @@ def main(argv=None):
                          "overhead as a percentage of the step")
     ap.add_argument("--worker", choices=["torch", "tensorflow"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.np < 2:
+        ap.error(ONE_RANK)
     if args.worker:
         results, reads, rank = (run_torch if args.worker == "torch" else run_tf)(args)
         if rank == 0:

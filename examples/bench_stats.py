@@ -26,7 +26,7 @@ import os
 import statistics
 import time
 
-from examples.bench_buckets import tf_step, torch_step
+from examples.bench_buckets import ONE_RANK, tf_step, torch_step
 
 INSTANCES = ("never", "every", "once", "never2")
 
@@ -84,6 +84,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     hvd, build = _builder(args)
     hvd.init()
+    if hvd.size() < 2:
+        raise SystemExit("bench_stats " + ONE_RANK + " (run it under horovodrun -np 2)")
     steps = {}
     for k in INSTANCES:
         step, _, comp = build()

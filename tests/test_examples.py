@@ -95,6 +95,21 @@ def test_count_entropy_measures_the_counts_a_scatter_owner_sends(capsys):
     assert ce.main(["--ranks", "2", "--threshold", "1e6"] + small)[0][2] == 0
 
 
+def test_step_benchmarks_refuse_one_rank():
+    """On one rank Horovod's optimizers skip the allreduce and no compressor runs: bench_buckets
+    (``--np 1``) and bench_stats (started without horovodrun) stop with the reason instead of
+    timing the same uncompressed step for every method."""
+    import subprocess
+    import sys
+    for args in (["examples.bench_buckets", "--frameworks", "torch", "--np", "1"],
+                 ["examples.bench_stats", "--framework", "torch", "--rounds", "1"]):
+        out = subprocess.run([sys.executable, "-m"] + args, cwd=os.path.dirname(EXAMPLES),
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode != 0 and "2 ranks or more" in out.stderr, \
+            (out.stdout + out.stderr)[-2000:]
+        assert "median" not in out.stdout
+
+
 def test_bucket_benchmark_mlp_has_52_tensors_in_both_frameworks():
     """examples.bench_buckets --models mlp: the same 52 parameter tensors in PyTorch and Keras;
     an unknown model is refused."""
