@@ -47,6 +47,10 @@ from horovod_twobit.benchmarks.models import tf_model, torch_model
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 METHODS = ["none", "fp16", "twobit", "twobit/alone", "auto", "auto/alone"]
+# Horovod's optimizers and DistributedGradientTape leave the gradients alone on one rank (no
+# allreduce at all), so with one rank no compressor runs and every method times the same step
+ONE_RANK = ("needs 2 ranks or more: on one rank Horovod's DistributedOptimizer and "
+            "DistributedGradientTape skip the allreduce, so no compressor would run")
 
 
 def compression(method, hvd, twobit):
@@ -166,12 +170,6 @@ def run_tf(args):
                 for method, fn in steps_of.items():
                     out[(row, method)] += (tf_profile.profile(fn, args.profile),)
     return out, reads, hvd.rank()
-
-
-# Horovod's optimizers and DistributedGradientTape leave the gradients alone on one rank (no
-# allreduce at all), so with one rank no compressor runs and every method times the same step
-ONE_RANK = ("needs 2 ranks or more: on one rank Horovod's DistributedOptimizer and "
-            "DistributedGradientTape skip the allreduce, so no compressor would run")
 
 
 def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor):

@@ -77,7 +77,8 @@ def main(argv=None):
                     help="Q, as bench_cluster's (default: cores x --headroom / hosts)")
     ap.add_argument("--dilation", type=float, default=None,
                     help="D, as bench_cluster's (default 1 / Q)")
-    ap.add_argument("--headroom", type=float, default=0.8)
+    ap.add_argument("--headroom", type=float, default=0.8,
+                    help="the cores' share the hosts get, as bench_cluster's")
     ap.add_argument("--cpu-period-us", type=int, default=10000)
     ap.add_argument("--iface", default="hvd0")
     ap.add_argument("--subnet", default="10.77.0.0/24")

@@ -198,10 +198,13 @@ def main_predict(argv):
                 "host CPU" if r["bound"] == "cpu" else "step's critical path"))
         close, pct = _close_calls(res), round(100 * steptime.CLOSE_CALL)
         others = ", ".join(steptime.LABELS[m] for m in close[1:])
-        print("\nFastest predicted: %s. %s" % (steptime.LABELS[close[0]], (
-            "Within %d %% of it, closer than the model's error against the emulation's steps "
-            "(docs/where_it_pays.md): %s; time these on the cluster before choosing." % (
-                pct, others)) if others else "No other method within %d %% of it." % pct))
+        if others:
+            tail = ("Within %d %% of it, closer than the model's error against the emulation's "
+                    "steps (docs/where_it_pays.md): %s; time these on the cluster before "
+                    "choosing." % (pct, others))
+        else:
+            tail = "No other method within %d %% of it." % pct
+        print("\nFastest predicted: %s. %s" % (steptime.LABELS[close[0]], tail))
         counts = [int(c) for c in args.counts.split(",") if c]
         if args.workers not in counts:
             counts = sorted(counts + [args.workers])
