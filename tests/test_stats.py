@@ -209,40 +209,56 @@ def test_tf_stats_are_read_by_one_cached_traced_call(monkeypatch):
         assert (st["tensors"][n]["residual_l2"], st["tensors"][n]["residual_max"]) == norms([n])
 
 
-def test_tf_norms_computed_by_the_step_are_read_until_the_residuals_change():
-    """TensorFlow: a step that hands its new residual's norms to the stats is read from them (no
-    pass over the residuals); after the residuals are loaded or reset outside a step
-    (``residuals_changed``) the read computes them from the variables again, until every slot has
-    stepped since. The sent count is a population count of the payload's high code bits."""
+def test_tf_steps_compute_the_norms_only_while_reads_watch_them():
+    """TensorFlow: a step computes its new residual's norms (``codec.norms_if`` with
+    ``norms_wanted``) only while reads come every step or every other; a step that no read
+    watches leaves them NaN (no pass over the residual), and the read computes them from the
+    residual variables. After the residuals are loaded or reset outside a step
+    (``residuals_changed``) reads compute them from the variables again. The sent count is a
+    population count of the payload's high code bits."""
     tf = pytest.importorskip("tensorflow")
     from horovod_twobit.tensorflow import codec
     from horovod_twobit.tensorflow import stats as tf_stats
     from horovod_twobit.tensorflow.residuals import Residuals
     residuals = Residuals()
     r = residuals.get("a", tf.zeros([40]))
-    r.assign(tf.fill([40], 0.25))
-    slots, read = tf_stats.Slots(), tf_stats.residual_norms(residuals)
+    slots, traced = tf_stats.Slots(), tf_stats.residual_norms(residuals)
+    asked = []  # the buckets each traced read computed norms for
+
+    def read(*a):
+        asked.append(set(a[2]))
+        return traced(*a)
     lay = Layout([40], False, None, None)
     words = np.zeros(lay.payload_words, np.int32)
     words[lay.body:] = np.array([0x0000000F, 0x000000C0, 0, 0], np.uint32).astype(np.int32)[
         :lay.payload_words - lay.body]  # codes 11, 11 (sent); 11 (sent): three values sent
 
-    def step(new):
-        slots.record(lay, ["a"], "allgather", 2, 0, tf.constant(words), [tf.zeros([40])],
-                     codec.norms(tf.constant(new, tf.float32)))
+    @tf.function
+    def step(new):  # as a finish pass: commits the residual, hands the stats its norms
+        r.assign(new)
+        return slots.record(lay, ["a"], "allgather", 2, 0, tf.constant(words), [tf.zeros([40])],
+                            codec.norms_if(slots.norms_wanted(), new))
 
-    step(np.full(40, 3.0))  # norms of a residual the step made: not the variable's
-    st = slots.snapshot(read, 0.5)
-    (b,) = st["buckets"].values()
-    assert (b["residual_l2"], b["residual_max"]) == (pytest.approx(np.sqrt(40 * 9.0)), 3.0)
-    assert b["fraction_sent"] == 3 / 40
-    slots.residuals_changed()
-    for _ in range(2):  # read from the variable, however often, until the next step
+    def bucket():
         (b,) = slots.snapshot(read, 0.5)["buckets"].values()
-        assert (b["residual_l2"], b["residual_max"]) == (pytest.approx(np.sqrt(40 / 16)), 0.25)
-    step(np.full(40, -2.0))
-    (b,) = slots.snapshot(read, 0.5)["buckets"].values()
-    assert (b["residual_l2"], b["residual_max"]) == (pytest.approx(np.sqrt(40 * 4.0)), 2.0)
+        return b["residual_l2"], b["residual_max"], b["fraction_sent"]
+
+    step(tf.fill([40], 3.0))  # before any read: not watched
+    (slot,) = slots._slots.values()
+    assert np.isnan(slot.summary.numpy()[3:]).all()
+    assert bucket() == (pytest.approx(np.sqrt(40 * 9.0)), 3.0, 3 / 40)
+    assert len(asked) == 1 and len(asked[0]) == 1  # from the residual variable
+    step(tf.fill([40], -2.0))  # read after one step: watched, the step computes them
+    assert slot.summary.numpy()[3:].tolist() == [160.0, 2.0]
+    assert bucket() == (pytest.approx(np.sqrt(40 * 4.0)), 2.0, 3 / 40)
+    assert len(asked) == 1  # the row, norms included, came with the step
+    slots.residuals_changed()
+    r.assign(tf.fill([40], 0.25))
+    for _ in range(2):  # read from the variable, however often, until the next step
+        assert bucket()[:2] == (pytest.approx(np.sqrt(40 / 16)), 0.25)
+        assert len(asked[-1]) == 1
+    step(tf.fill([40], 0.5))
+    assert bucket()[:2] == (pytest.approx(np.sqrt(40 * 0.25)), 0.5)
 
 
 def test_tf_steps_hand_their_rows_to_the_host_while_reads_come_every_step_or_other():
@@ -268,9 +284,10 @@ def test_tf_steps_hand_their_rows_to_the_host_while_reads_come_every_step_or_oth
     words[lay.body] = 0x3C  # codes 00 11 11 00 in the first byte's low bits: two values sent
 
     @tf.function
-    def step(result, new):
+    def step(result, new):  # as a finish pass: commits the residual, hands the stats its norms
+        residuals.variable("a").assign(new)
         return slots.record(lay, ["a"], "allgather", 2, 0, tf.constant(words), [result],
-                            codec.norms(new))
+                            codec.norms_if(slots.norms_wanted(), new))
 
     step(tf.zeros([40]), tf.fill([40], 3.0))
     assert slots._slots and all(s.host is None for s in slots._slots.values())

@@ -91,6 +91,7 @@ class BucketExchange:
         self.op, self.nranks = op, int(nranks)
         self.scale = float(prescale) * float(postscale)
         self.residuals = [compressor.residuals.get(k, t) for k, t in zip(keys, tensors)]
+        self.stats_slots = compressor.stats_slots
         self.head = head = lay.header(compressor.threshold)
         self.passes = passes_of(compressor, lay, self.plan, head, op == mpi_ops.Average,
                                 self.scale)
@@ -127,8 +128,9 @@ class BucketExchange:
                 count = tf.cast(tf.size(gathered) // lay.payload_words, tf.float32)
             else:
                 count = tf.constant(1.0, tf.float32)
-            out, new, self.norms = self.passes.finish(rows, checked, count, self.grad,
-                                                      self.before, self.fixed, self.ts, self.vs)
+            out, new, self.norms, self.bad = self.passes.finish(
+                rows, checked, count, self.grad, self.before, self.fixed, self.ts, self.vs,
+                self.stats_slots.norms_wanted())
             return commit(lay, self.residuals, new, self.tensors, out)
 
 

@@ -240,6 +240,14 @@ def norms(residual):
                      tf.cast(tf.reduce_max(tf.abs(x)), tf.float64)])
 
 
+def norms_if(want, residual):
+    """:func:`norms` when the 0-d bool tensor ``want`` is True, else NaN for both: a finish pass
+    computes them only while the stats are read every step or other (a conditional, so the
+    steps between rarer reads skip the pass; those reads compute them from the residuals)."""
+    return tf.cond(want, lambda: norms(residual),
+                   lambda: tf.constant([float("nan"), float("nan")], tf.float64))
+
+
 def _check(grad, residual):
     if isinstance(grad, tf.IndexedSlices):
         raise TypeError("grad is a tf.IndexedSlices: densify it first (tf.convert_to_tensor, or "

@@ -45,6 +45,7 @@ class Exchange:
         self.numel = tensor.shape.num_elements()
         self.residual = compressor.residuals.get(key, tensor)
         self.residuals = [self.residual]
+        self.stats_slots = compressor.stats_slots
         self.grad = codec._flat32(tensor)
         self.before = self.residual.read_value()
         self.auto = self.mode == "auto"
@@ -103,7 +104,8 @@ class Exchange:
         out, new, self.norms = kernels.finish(
             rows[:, wire.HEADER_WORDS + nb:], ts, bad, count, self.grad,
             tf.reshape(self.before, [-1]), t, self.op == mpi_ops.Average, self.scale,
-            self.magnitude)
+            self.magnitude, self.stats_slots.norms_wanted())
+        self.bad = bad
         update = self.residual.assign(new)
         with tf.control_dependencies([update]):
             result = tf.reshape(out, self.tensor.shape)
@@ -200,11 +202,11 @@ def run(compressor, tensors, keys, op, prescale, postscale, process_set, op_name
         from . import scatter_exchange
         out = scatter_exchange.run(compressor, ex, layout, keys, process_set, op_name,
                                    ignore_name_scope)
-        norms = None  # the stats read this exchange's residuals when asked
+        norms = bad = None  # the stats read this exchange's residuals when asked
     else:
         gathered = mpi_ops.allgather(ex.payload, name=op_name, process_set=process_set,
                                      ignore_name_scope=ignore_name_scope)
         out = ex.finish(gathered)
-        out, norms = out if len(tensors) > 1 else [out], ex.norms
+        out, norms, bad = out if len(tensors) > 1 else [out], ex.norms, ex.bad
     return compressor.stats_slots.record(layout, keys, exchange, nranks, process_set.rank(),
-                                         ex.payload, out, norms)
+                                         ex.payload, out, norms, bad)

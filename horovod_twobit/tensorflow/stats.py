@@ -2,8 +2,9 @@
 bucket, variables that the graph updates at each step: the number of steps, the number of steps
 whose result was NaN, and the step's summary: the values this rank sent as +-level (a population
 count of its payload's high code bits), the sum and number of its levels ("auto"), and the new
-residual's norms as the finish pass computed them (:func:`codec.norms`; the scatter exchange and
-the fallback leave them to the read). Updating them is a few reductions and scalar assignments on
+residual's norms as the finish pass computed them (:func:`codec.norms`), while reads come every
+step or every other (:meth:`Slots.norms_wanted`; otherwise, and for the scatter exchange and the
+fallback, the read computes them). Updating them is a few reductions and scalar assignments on
 the device: no host round trip.
 
 While reads come at least every other step, a variable that the step tests (a ``tf.cond``) has
@@ -64,15 +65,32 @@ class Slots:
         with self._lock:
             self._stale = 0 if self._clock is None else int(self._clock.numpy())
 
-    def record(self, layout, names, exchange, nranks, rank, payload, results, norms=None):
+    def _made(self):
+        if self._clock is None:  # under the lock
+            self._clock = _variable(np.int64(0))
+            self._watched = _variable(False)
+
+    def norms_wanted(self):
+        """A 0-d bool tensor for a step's finish pass: whether to compute its new residual's
+        norms (:func:`codec.norms_if`). True while reads come every step or every other (the
+        steps then hand their rows to the host, norms included); otherwise the pass skips them
+        and a read computes them from the residuals, so steps that nobody reads do no extra
+        pass."""
+        with self._lock:
+            self._made()
+        return self._watched.value()
+
+    def record(self, layout, names, exchange, nranks, rank, payload, results, norms=None,
+               bad=None):
         """Adds the step's updates to the graph: ``results`` (the exchange's outputs) returned
         after them. ``payload``: this rank's (None for the fallback); ``norms``: the new residual's
-        :func:`codec.norms`, or None to read them from the residuals when asked."""
+        :func:`codec.norms` (NaN where the step skipped them: :meth:`norms_wanted`), or None to
+        read them from the residuals when asked; ``bad``: a 0-d bool tensor, whether the results
+        are NaN (a member's gradient held NaN or Inf on some rank), or None: then each result's
+        first value tells."""
         key = (scatter_wire.owner_key(names), exchange, nranks)
         with self._lock:
-            if self._clock is None:
-                self._clock = _variable(np.int64(0))
-                self._watched = _variable(False)
+            self._made()
             slot = self._slots.get(key)
             if slot is None:
                 nbytes = (4 * sum(layout.numels) if exchange == "plain"
@@ -80,9 +98,10 @@ class Slots:
                 slot = self._slots[key] = _Slot(layout, names, exchange, nbytes)
             if slot.has_norms is None:
                 slot.has_norms = norms is not None
-        # a member that held NaN or Inf on some rank is NaN everywhere: its first value tells
-        nan = [tf.math.is_nan(tf.reshape(r, [-1])[0]) for r in results if r.shape.num_elements()]
-        bad = tf.reduce_any(tf.stack(nan)) if nan else tf.constant(False)
+        if bad is None:  # a member that held NaN or Inf on some rank is NaN everywhere
+            nan = [tf.math.is_nan(tf.reshape(r, [-1])[0]) for r in results
+                   if r.shape.num_elements()]
+            bad = tf.reduce_any(tf.stack(nan)) if nan else tf.constant(False)
         counters = [slot.steps.assign_add(1), slot.nonfinite.assign_add(tf.cast(bad, tf.int64)),
                     slot.stamp.assign(self._clock.assign_add(1))]
         if norms is None or not slot.has_norms:
@@ -94,7 +113,7 @@ class Slots:
         updates.append(tf.cond(self._watched, lambda: _to_host(slot, row),
                                lambda: tf.constant(False)))
         with tf.control_dependencies(updates):
-            return [tf.identity(r) for r in results]
+            return list(tf.identity_n(results))
 
     def snapshot(self, reader, threshold, per_tensor=False, reset=False):
         """The stats as :func:`horovod_twobit.stats.summarize` gives them; ``reader``: the
@@ -102,16 +121,20 @@ class Slots:
         hold, in one traced call)."""
         with self._lock:
             slots, stale = list(self._slots.values()), self._stale
-        # the buckets whose norms are read from the residuals
-        read = {scatter_wire.owner_key(s.names) for s in slots
-                if per_tensor or stale is not None or not s.has_norms}
+        # the buckets whose norms are read from the residuals: those whose steps do not compute
+        # them, and, as the steps compute them only while watched (norms_wanted), those without
+        # a row handed over since the watch began
+        needed = {scatter_wire.owner_key(s.names) for s in slots
+                  if per_tensor or stale is not None or not s.has_norms}
+        read = needed | {scatter_wire.owner_key(s.names) for s in slots
+                         if not self._watching or s.host is None}
         hosted = [s.host for s in slots]
         if self._watching and not read and all(h is not None for h in hosted):  # with the steps
             counters, summaries, norms = ([h[:3].astype(np.int64).tolist() for h in hosted],
                                           [h[3:].tolist() for h in hosted], {})
         else:
             counters, summaries, norms = reader(slots, per_tensor, read)
-        self._follow(slots, counters, useful=not read)
+        self._follow(slots, counters, useful=not needed)
         if stale is not None and all(c[2] > stale for c in counters):
             with self._lock:  # every slot stepped since: its own norms hold again
                 self._stale = None if self._stale == stale else self._stale
@@ -135,9 +158,8 @@ class Slots:
                 else:
                     counts = (int(row[0]), float(threshold), 1)
                 whole = None
-                if not per_tensor:  # the step's norms, unless the residuals changed since
-                    own = s.has_norms and (stale is None or counters[i][2] > stale)
-                    whole = (float(row[3]), float(row[4])) if own else norms[key]
+                if not per_tensor:  # the step's norms, unless read from the residuals
+                    whole = norms[key] if key in norms else (float(row[3]), float(row[4]))
                 last[key] = stats.Step(s.names, s.exchange, s.nbytes, lambda c=counts: c, values,
                                        None if whole is None else (lambda n=whole: n))
         per_name = norms if per_tensor else {}
