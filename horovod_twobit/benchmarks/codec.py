@@ -98,7 +98,7 @@ def measure_tf(n, device, ranks=2, path="compiled", threshold=0.5):
                 return tfk.encode(g, r.read_value(), threshold)[0]
 
             def finish(rows, ts, bad, count):  # as the communicator does after the gather
-                out, new, _ = tfk.finish(rows, ts, bad, count, g, r.read_value(), threshold, True, 1.0)
+                out, new = tfk.finish(rows, ts, bad, count, g, r.read_value(), threshold, True, 1.0)
                 r.assign(new)
                 return out
 

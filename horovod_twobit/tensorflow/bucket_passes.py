@@ -128,10 +128,9 @@ def encode_body(lay, plan, rule, head, xla, g, b, threshold, lengths):
 
 
 def finish_body(lay, plan, xla, average, scale, rows, checked, count, g, before, threshold, ts,
-                vs, want):
-    """The bucket's finish: (the flat result, the flat new residual, its norms in an XLA body when
-    ``want`` (:func:`codec.norms_if`), else None: the stats then read them, whether any member's
-    result is NaN).
+                vs):
+    """The bucket's finish: (the flat result, the flat new residual, whether any member's result
+    is NaN).
     ``rows``: the gathered payloads (nranks, payload_words); ``checked``: True once the headers
     agree; ``count``: the divisor of an average; ``g``, ``before``: as :func:`encode_body` took
     them; ``ts``/``vs``: this rank's segment levels ("auto"), else ``threshold``."""
@@ -173,8 +172,7 @@ def finish_body(lay, plan, xla, average, scale, rows, checked, count, g, before,
     new = tf.where(bad, tf.reshape(before, [lay.words, 16]),
                    tf.where(x >= t, x - v, tf.where(x <= -t, x + v, x)))
     new = tf.reshape(new, [-1])
-    return (tf.reshape(out, [-1]), new, codec.norms_if(want, new) if xla else None,
-            tf.reduce_any(member_bad))
+    return tf.reshape(out, [-1]), new, tf.reduce_any(member_bad)
 
 
 class Passes:

@@ -230,22 +230,28 @@ def committed(grad, residual_value, threshold, magnitude=None):
 
 
 def norms(residual):
-    """(sum of squares in float64, max |r|) of a residual's values, as a float64 pair: the stats'
-    residual norms, computed where the finish pass makes the new residual (no extra pass under
-    XLA, which fuses them). Squares of float32 values are exact in float64."""
+    """(sum of squares, max |r|) of a residual's values, as a float64 pair: the stats' residual
+    norms. Norms are for watching, not for arithmetic: the sum of squares is a float32 ``L2Loss``
+    (about 1e-6 relative, as the PyTorch binding's float32 dot), the largest |r| exact. Plain
+    TF ops, not XLA: on a CPU TensorFlow's own reductions run vectorised, XLA's here did not
+    (0.2 ms against 0.6-1.2 ms for the small MLP's 0.41 M values)."""
     x = tf.reshape(residual, [-1])
     if x.shape.num_elements() == 0:
         return tf.zeros([2], tf.float64)
-    return tf.stack([tf.reduce_sum(tf.square(tf.cast(x, tf.float64))),
-                     tf.cast(tf.reduce_max(tf.abs(x)), tf.float64)])
+    return tf.cast(tf.stack([2 * tf.raw_ops.L2Loss(t=x),
+                             tf.maximum(tf.reduce_max(x), -tf.reduce_min(x))]), tf.float64)
+
+
+def no_norms():
+    """NaN for both norms: what a step hands the stats when no read watches it."""
+    return tf.constant([float("nan"), float("nan")], tf.float64)
 
 
 def norms_if(want, residual):
-    """:func:`norms` when the 0-d bool tensor ``want`` is True, else NaN for both: a finish pass
-    computes them only while the stats are read every step or other (a conditional, so the
-    steps between rarer reads skip the pass; those reads compute them from the residuals)."""
-    return tf.cond(want, lambda: norms(residual),
-                   lambda: tf.constant([float("nan"), float("nan")], tf.float64))
+    """:func:`norms` when the 0-d bool tensor ``want`` is True, else :func:`no_norms`: a step
+    computes them only while the stats are read every step or every other (a conditional, so
+    the steps between rarer reads skip the pass; those reads compute them from the residuals)."""
+    return tf.cond(want, lambda: norms(residual), no_norms)
 
 
 def _check(grad, residual):

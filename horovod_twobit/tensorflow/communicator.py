@@ -101,10 +101,11 @@ class Exchange:
                             tf.float32)
         else:
             count = tf.constant(1.0, tf.float32)
-        out, new, self.norms = kernels.finish(
+        out, new = kernels.finish(
             rows[:, wire.HEADER_WORDS + nb:], ts, bad, count, self.grad,
             tf.reshape(self.before, [-1]), t, self.op == mpi_ops.Average, self.scale,
-            self.magnitude, self.stats_slots.norms_wanted())
+            self.magnitude)
+        self.norms = codec.norms_if(self.stats_slots.norms_wanted(), new)
         self.bad = bad
         update = self.residual.assign(new)
         with tf.control_dependencies([update]):

@@ -53,14 +53,11 @@ def _decode_sum_xla(words, ts, n):
     return tf.reshape(out, [-1])[:n]
 
 
-def _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, want, average, scale,
+def _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, average, scale,
                  xla=False):
-    """(result, new residual, its norms): the rank-order sum of the decoded rows of ``words``
+    """(result, new residual): the rank-order sum of the decoded rows of ``words``
     (nranks, W), row i with magnitude ``ts[i]`` (with blocks, ``ts`` is (nranks, W): one per
-    word); NaN everywhere and the residual unchanged when ``bad``. The norms are
-    :func:`codec.norms` of the new residual for the stats, under XLA only and only when ``want``
-    (:func:`codec.norms_if`); None otherwise, so that the plain graph does no extra work (the
-    stats read them)."""
+    word); NaN everywhere and the residual unchanged when ``bad``."""
     out = (_decode_sum_xla if xla else _decode_sum_plain)(words, ts, grad.shape[0])
     out = tf.where(bad, tf.constant(float("nan"), tf.float32), out)
     if average:
@@ -68,7 +65,7 @@ def _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, want
     if scale != 1.0:
         out = out * tf.constant(scale, tf.float32)
     new = tf.where(bad, before, codec.committed(grad, before, threshold, magnitude))
-    return out, new, codec.norms_if(want, new) if xla else None
+    return out, new
 
 
 _encode_xla = tf.function(_encode_body, jit_compile=True, autograph=False)
@@ -87,19 +84,14 @@ def encode(grad, before, threshold):
     return _encode_body(grad, before, threshold)
 
 
-def finish(words, ts, bad, count, grad, before, threshold, average, scale, magnitude=None,
-           want=None):
+def finish(words, ts, bad, count, grad, before, threshold, average, scale, magnitude=None):
     """``words``: (nranks, num_words) int32; ``ts``: (nranks,) float32 magnitudes of the senders
     (with blocks: (nranks, num_words), each word's block magnitude);
     ``bad``: 0-d bool; ``count``: 0-d float32 divisor (used when ``average``); ``scale``: a
     Python float; ``threshold`` and ``magnitude`` (default: the threshold): this rank's, for its
-    residual update; ``want``: a 0-d bool tensor, whether to compute the new residual's norms
-    (default: no). Returns (1-D float32 result, 1-D new residual, its norms or None: see
-    :func:`_finish_body`)."""
+    residual update. Returns (1-D float32 result, 1-D new residual)."""
     magnitude = threshold if magnitude is None else magnitude
     if _compiled(grad.shape.num_elements()) and words.shape[0] is not None:
-        want = tf.constant(False) if want is None else want
         return _finish_xla(words, ts, bad, count, grad, before, codec._t(threshold),
-                           codec._t(magnitude), want, bool(average), float(scale), True)
-    return _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, None, average,
-                        scale)
+                           codec._t(magnitude), bool(average), float(scale), True)
+    return _finish_body(words, ts, bad, count, grad, before, threshold, magnitude, average, scale)

@@ -2,9 +2,9 @@
 bucket, variables that the graph updates at each step: the number of steps, the number of steps
 whose result was NaN, and the step's summary: the values this rank sent as +-level (a population
 count of its payload's high code bits), the sum and number of its levels ("auto"), and the new
-residual's norms as the finish pass computed them (:func:`codec.norms`), while reads come every
-step or every other (:meth:`Slots.norms_wanted`; otherwise, and for the scatter exchange and the
-fallback, the read computes them). Updating them is a few reductions and scalar assignments on
+residual's norms as the step computed them after its finish (:func:`codec.norms`), while reads
+come every step or every other (:meth:`Slots.norms_wanted`; otherwise, and for the scatter
+exchange and the fallback, the read computes them). Updating them is a few reductions and scalar assignments on
 the device: no host round trip.
 
 While reads come at least every other step, a variable that the step tests (a ``tf.cond``) has
@@ -268,15 +268,15 @@ SMALL = 4096  # residuals of fewer values are reduced as one concatenation: fewe
 
 
 def _norms(xs):
-    """(sum of squares in float64, max |r|) of the residuals ``xs``, as a float64 pair: per large
-    residual (per concatenation of the small ones) one float64 L2Loss (a single pass, exact
-    squares), one max and one min."""
+    """(sum of squares, max |r|) of the residuals ``xs``, as a float64 pair: per large residual
+    (per concatenation of the small ones) one float32 L2Loss (as :func:`codec.norms`), one max
+    and one min; the partial sums added in float64."""
     small = [tf.reshape(x, [-1]) for x in xs if x.shape.num_elements() < SMALL]
     xs = [x for x in xs if x.shape.num_elements() >= SMALL] + ([tf.concat(small, 0)] if small
                                                                 else [])
     if not xs:
         return tf.zeros([2], tf.float64)
-    sq = 2 * tf.add_n([tf.raw_ops.L2Loss(t=tf.cast(x, tf.float64)) for x in xs])
+    sq = 2 * tf.add_n([tf.cast(tf.raw_ops.L2Loss(t=x), tf.float64) for x in xs])
     hi = tf.reduce_max(tf.stack([tf.reduce_max(x) for x in xs]))
     lo = tf.reduce_min(tf.stack([tf.reduce_min(x) for x in xs]))
     return tf.stack([sq, tf.cast(tf.maximum(hi, -lo), tf.float64)])
