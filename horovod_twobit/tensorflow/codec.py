@@ -233,8 +233,8 @@ def norms(residual):
     """(sum of squares, max |r|) of a residual's values, as a float64 pair: the stats' residual
     norms. Norms are for watching, not for arithmetic: the sum of squares is a float32 ``L2Loss``
     (about 1e-6 relative, as the PyTorch binding's float32 dot), the largest |r| exact. Plain
-    TF ops, not XLA: on a CPU TensorFlow's own reductions run vectorised, XLA's here did not
-    (0.2 ms against 0.6-1.2 ms for the small MLP's 0.41 M values)."""
+    TF ops, not inside an XLA body: TensorFlow's own CPU reductions are vectorised, XLA's CPU
+    reductions are several times slower (docs/tf_step_cost.md)."""
     x = tf.reshape(residual, [-1])
     if x.shape.num_elements() == 0:
         return tf.zeros([2], tf.float64)

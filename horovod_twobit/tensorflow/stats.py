@@ -4,8 +4,8 @@ whose result was NaN, and the step's summary: the values this rank sent as +-lev
 count of its payload's high code bits), the sum and number of its levels ("auto"), and the new
 residual's norms as the step computed them after its finish (:func:`codec.norms`), while reads
 come every step or every other (:meth:`Slots.norms_wanted`; otherwise, and for the scatter
-exchange and the fallback, the read computes them). Updating them is a few reductions and scalar assignments on
-the device: no host round trip.
+exchange and the fallback, the read computes them). Updating them is a few reductions and scalar
+assignments on the device: no host round trip.
 
 While reads come at least every other step, a variable that the step tests (a ``tf.cond``) has
 each step also hand its bucket's row (counters and summary, 8 values) to the host through a
@@ -71,11 +71,11 @@ class Slots:
             self._watched = _variable(False)
 
     def norms_wanted(self):
-        """A 0-d bool tensor for a step's finish pass: whether to compute its new residual's
-        norms (:func:`codec.norms_if`). True while reads come every step or every other (the
-        steps then hand their rows to the host, norms included); otherwise the pass skips them
-        and a read computes them from the residuals, so steps that nobody reads do no extra
-        pass."""
+        """A 0-d bool tensor for a step: whether to compute its new residual's norms after its
+        finish (:func:`codec.norms_if`). True while reads come every step or every other (the
+        steps then hand their rows to the host, norms included); otherwise the steps skip them
+        and a read computes them from the residuals, so steps that nobody reads make no pass
+        over their residuals."""
         with self._lock:
             self._made()
         return self._watched.value()
