@@ -23,6 +23,7 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 from .. import scatter_wire, stats
+from . import codec
 
 
 def _variable(init):
@@ -268,15 +269,13 @@ SMALL = 4096  # residuals of fewer values are reduced as one concatenation: fewe
 
 
 def _norms(xs):
-    """(sum of squares, max |r|) of the residuals ``xs``, as a float64 pair: per large residual
-    (per concatenation of the small ones) one float32 L2Loss (as :func:`codec.norms`), one max
-    and one min; the partial sums added in float64."""
+    """(sum of squares, max |r|) of the residuals ``xs``, as a float64 pair: :func:`codec.norms`
+    per large residual (per concatenation of the small ones), their sums of squares added in
+    float64, the largest of their max |r|."""
     small = [tf.reshape(x, [-1]) for x in xs if x.shape.num_elements() < SMALL]
     xs = [x for x in xs if x.shape.num_elements() >= SMALL] + ([tf.concat(small, 0)] if small
                                                                 else [])
     if not xs:
         return tf.zeros([2], tf.float64)
-    sq = 2 * tf.add_n([tf.cast(tf.raw_ops.L2Loss(t=x), tf.float64) for x in xs])
-    hi = tf.reduce_max(tf.stack([tf.reduce_max(x) for x in xs]))
-    lo = tf.reduce_min(tf.stack([tf.reduce_min(x) for x in xs]))
-    return tf.stack([sq, tf.cast(tf.maximum(hi, -lo), tf.float64)])
+    each = tf.stack([codec.norms(x) for x in xs])
+    return tf.stack([tf.reduce_sum(each[:, 0]), tf.reduce_max(each[:, 1])])
