@@ -266,7 +266,9 @@ def test_tf_exchange_computes_its_norms_only_while_watched(sizes):
     """TensorFlow, an exchange's finish (one tensor or a bucket, XLA or plain): while no read
     watches the steps its norms are NaN (the pass is skipped); once watched, they are those of
     the residual it commits (float32 sum of squares within 1e-6, exact max |r|), and its NaN
-    flag says whether its results are NaN."""
+    flag says whether its results are NaN. Every step, the NaN step and those after it included,
+    gives the NumPy reference's results and residuals bit for bit (two ranks that send the same
+    payload: the same gradients on both)."""
     tf = pytest.importorskip("tensorflow")
     from horovod.tensorflow import mpi_ops
     from horovod_twobit.tensorflow import TwoBitCompressor
@@ -283,12 +285,21 @@ def test_tf_exchange_computes_its_norms_only_while_watched(sizes):
         out = ex.finish(tf.concat([ex.payload] * 2, 0))
         return ex.norms, ex.bad, out
 
+    workers = ref.Workers(2, 0.5)
+
     def run(scale, nan=False):
         gs = [(rng.standard_normal(n) * scale).astype(np.float32) for n in sizes]
         if nan:
             gs[-1][0] = np.nan
         norms, bad, out = step(*[tf.constant(g) for g in gs])
-        return norms.numpy(), bool(bad), [np.asarray(o) for o in tf.nest.flatten(out)]
+        out = [np.asarray(o) for o in tf.nest.flatten(out)]
+        want = workers.bucket(keys, [gs, gs])
+        for o, w in zip(out, want):
+            np.testing.assert_array_equal(o, w)
+        for k in keys:
+            np.testing.assert_array_equal(comp.residuals.variable(k).numpy(),
+                                          workers.residuals[0][k])
+        return norms.numpy(), bool(bad), out
 
     norms, bad, _ = run(1.0)
     assert np.isnan(norms).all() and not bad  # not watched: no pass
@@ -305,6 +316,12 @@ def test_tf_exchange_computes_its_norms_only_while_watched(sizes):
     assert (comp.residuals.variable(keys[-1]).numpy() == kept).all()
     r = np.concatenate([comp.residuals.variable(k).numpy().reshape(-1) for k in keys])
     assert norms[0] == pytest.approx(float((r.astype(np.float64) ** 2).sum()), rel=1e-6)
+    for _ in range(2):  # after the fault: training goes on, as the reference's
+        norms, bad, out = run(1.0)
+        assert not bad and all(np.isfinite(o).all() for o in out)
+        r = np.concatenate([comp.residuals.variable(k).numpy().reshape(-1) for k in keys])
+        assert norms[0] == pytest.approx(float((r.astype(np.float64) ** 2).sum()), rel=1e-6)
+        assert norms[1] == np.abs(r).max()
 
 
 def test_tf_steps_hand_their_rows_to_the_host_while_reads_come_every_step_or_other():
