@@ -280,6 +280,16 @@ def wheel_dir(tmp_path_factory):
     return tmp / "dist"
 
 
+def test_wheel_ships_the_op_source_and_the_profiles(wheel_dir):
+    """Files beside the modules that the package reads at run time are in the wheel."""
+    import zipfile
+    (wheel,) = os.listdir(wheel_dir)
+    names = zipfile.ZipFile(os.path.join(wheel_dir, wheel)).namelist()
+    want = ["horovod_twobit/tensorflow/segment_levels.cc"] + [
+        "horovod_twobit/profiles/" + f for f in os.listdir(os.path.join(REPO, "horovod_twobit", "profiles"))]
+    assert sorted(set(want) - set(names)) == [], names
+
+
 def _venv(path, packages):
     """A throwaway environment that sees the given packages of the test's environment (symbolic
     links in a folder on its path), as an environment that already has them installed."""

@@ -23,7 +23,7 @@ import horovod.tensorflow.mpi_ops as mpi_ops
 
 from .. import wire, wire_checks
 from ..layout import Layout
-from . import codec
+from . import codec, native_levels
 from .bucket_passes import passes_of, plan_of
 
 
@@ -100,10 +100,14 @@ class BucketExchange:
             self.grad = _flat(lay, [codec._flat32(t) for t in self.tensors])
             self.before = _flat(lay, [tf.reshape(r, [-1]) for r in self.befores])
             self.fixed = None if lay.auto else tf.constant(compressor.threshold, tf.float32)
-            # the levels' divisors, from outside the compiled body (see the module docstring)
-            lengths = tf.constant(self.plan.lengths, tf.float64) if lay.auto else None
+            lengths = levels = None
+            if lay.auto and native_levels.usable(compressor.auto_rule):
+                levels = native_levels.segment_levels(self.grad, self.before, lay.seg_starts,
+                                                      lay.seg_lengths, compressor.auto_rule)
+            elif lay.auto:  # the levels' divisors, from outside the compiled body
+                lengths = tf.constant(self.plan.lengths, tf.float64)
             self.payload, self.ts, self.vs = self.passes.encode(self.grad, self.before,
-                                                                self.fixed, lengths)
+                                                                self.fixed, lengths, levels)
 
     @property
     def threshold(self):

@@ -94,14 +94,15 @@ def _word_levels(plan, lay, levels):
     return tf.gather(levels, plan.seg_of_word)[:, None]
 
 
-def encode_body(lay, plan, rule, head, xla, g, b, threshold, lengths):
+def encode_body(lay, plan, rule, head, xla, g, b, threshold, lengths, levels=None):
     """The bucket's encode: (payload, segment thresholds, segment magnitudes) -- the last two
     empty for a numeric ``threshold`` (a 0-d float32 tensor). ``g``, ``b``: the flat gradient
-    and residual values (:func:`_flat`); ``lengths``: the levels' divisors ("auto")."""
+    and residual values (:func:`_flat`); "auto": the segments' ``levels`` when computed outside
+    (:mod:`native_levels`), else ``lengths``, the levels' divisors."""
     x = b + g
     mags = []
     if lay.auto:
-        ts, vs = table_levels(plan, x, rule, lengths, xla)
+        ts, vs = levels if levels is not None else table_levels(plan, x, rule, lengths, xla)
         t = _word_levels(plan, lay, ts)
         mags = [tf.bitcast(vs, tf.int32)]
     else:
