@@ -6,9 +6,10 @@ every payload, the division and scale, the error-feedback commit) another. From
 ``kernels.COMPILE_MIN_NUMEL`` values each body is one XLA call (:class:`Passes`); below, or with
 ``HOROVOD_TWOBIT_COMPILE=0``, the same ops run as TF ops.
 
-"auto" levels: segments of equal length are reduced as one table (rows gathered by word where they
-do not lie in one run), as the PyTorch binding's ``segment_levels`` does; their divisors (the
-lengths) reach XLA as arguments, never as constants it could fold into a reciprocal.
+"auto" levels: on a CPU the encode takes them from :mod:`native_levels`' op; elsewhere segments of
+equal length are reduced as one table (rows gathered by word where they do not lie in one run), as
+the PyTorch binding's ``segment_levels`` does, their divisors (the lengths) reaching XLA as
+arguments, never as constants it could fold into a reciprocal.
 """
 
 import functools
