@@ -7,15 +7,16 @@ without a ``*K`` factor).
 
 Why: the "lsq" rule needs, per segment, a float64 mean and then 9 float64 counts and sums. As TF
 or XLA ops on a CPU these are reductions without vector instructions (XLA) or a broadcast
-comparison nine times the gradient's size (TF); the op's loops keep 8 values in flight per
-accumulator and cost about a tenth (docs/tf_step_cost.md).
+comparison nine times the gradient's size (TF); the op compares 4 values at a time and sums per
+bin, in about half the time of the XLA reductions (docs/tf_step_cost.md).
 
 Trade-offs: it needs a C++ compiler (``g++``, or ``$CXX``) on first use. The library is compiled
-against the installed TensorFlow (about 10 s) and kept under ``$HOROVOD_TWOBIT_CACHE`` (default
-``~/.cache/horovod-twobit``), keyed by its source, TensorFlow's version and flags; ranks that
-start together take a file lock, so one builds and the others load. Where the build fails, with
-a GPU (the op has no GPU kernel: the levels stay beside the rest of the codec there), or with
-``HOROVOD_TWOBIT_NATIVE=0``, the levels are computed with TF ops as before, the same bits.
+against the installed TensorFlow (about 10 s) and kept in ``ops/`` under
+``$HOROVOD_TWOBIT_CACHE`` (default ``~/.cache/horovod-twobit``), keyed by its source, TensorFlow's
+version and flags; ranks that start together take a file lock, so one builds and the others
+load. Where the build fails, with a GPU (the op has no GPU kernel: the levels stay beside the rest
+of the codec there), for the "opt" rule, or with ``HOROVOD_TWOBIT_NATIVE=0``, the levels are
+computed with TF ops as before, the same bits.
 """
 
 import fcntl
@@ -103,7 +104,7 @@ def unavailable_reason():
 
 
 def usable(rule):
-    """Whether the levels of ``rule`` come from the op: a rule it knows, no GPU, and the op built."""
+    """Whether the levels of ``rule`` come from the op: a rule it knows, no GPU, the op built."""
     return (wire.parse_rule(rule)[0] in RULES and not tf.config.list_logical_devices("GPU")
             and module() is not None)
 
@@ -112,7 +113,7 @@ def segment_levels(g, b, starts, lengths, rule):
     """(thresholds, magnitudes), float32, of the segments ``[starts[i], starts[i] + lengths[i])``
     (static) of the flat float32 ``b + g``; only where :func:`usable`."""
     name, k = wire.parse_rule(rule)
+    factor = tf.constant(float(k) if k else 0.0, tf.float64)  # 0: none
     return module().two_bit_segment_levels(
         g, b, tf.constant(np.asarray(starts, np.int64)), tf.constant(np.asarray(lengths, np.int64)),
-        tf.constant(wire.OPT_MULTIPLES, tf.float64), tf.constant(float(k) if k else 0.0, tf.float64),
-        rule=name)
+        tf.constant(wire.OPT_MULTIPLES, tf.float64), factor, rule=name)

@@ -5,8 +5,8 @@
 // the mean (or, "rms", the root mean square) of a; "lsq": for each candidate threshold
 // mean * multiple, how many a reach it and their sum, the candidate with the largest sum^2 / count
 // (the first on ties) and its mean as the magnitude. Sums run in float64 over float32 values, in
-// partial sums (the order does not change the float32 level, as the reference's docstring says); each
-// level is rounded to float32 once, times the rule's factor first, and never below FLT_MIN.
+// partial sums (the order does not change the float32 level, as the reference's docstring says);
+// each level is rounded to float32 once, times the rule's factor first, never below FLT_MIN.
 // Built without -ffast-math and with -ffp-contract=off: no reassociation, no fused multiply-add.
 #include <cfloat>
 #include <cmath>
