@@ -107,10 +107,19 @@ def _bucket_step(shapes, threshold, blocks, seed, graph, exchange=BucketExchange
     return out
 
 
+def _assert_same(steps, others):
+    """Every array of every step equal, bit for bit."""
+    for a, b in zip(steps, others):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x.view(np.int32), y.view(np.int32))
+
+
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("blocks", [None, 1])
-def test_bucket_exchange_is_the_same_with_and_without_the_op(op, monkeypatch, graph, blocks):
-    shapes = [(300, 257), (17,), (128, 128), (5,)]  # the first above the XLA size: both bodies
+@pytest.mark.parametrize("shapes", [[(300, 257), (17,), (128, 128), (5,)], [(40, 40), (9,)]],
+                         ids=["xla", "plain"])  # above and below kernels.COMPILE_MIN_NUMEL
+def test_bucket_exchange_is_the_same_with_and_without_the_op(op, monkeypatch, graph, blocks,
+                                                             shapes):
     calls = []
     real = native_levels.segment_levels
     monkeypatch.setattr(native_levels, "segment_levels",
@@ -119,9 +128,7 @@ def test_bucket_exchange_is_the_same_with_and_without_the_op(op, monkeypatch, gr
     assert calls, "the bucket did not use the op"
     monkeypatch.setattr(native_levels, "usable", lambda rule: False)
     without = _bucket_step(shapes, "auto", blocks, 3, graph)
-    for a, b in zip(with_op, without):
-        for x, y in zip(a, b):
-            np.testing.assert_array_equal(x.view(np.int32), y.view(np.int32))
+    _assert_same(with_op, without)
 
 
 @pytest.mark.parametrize("blocks", [None, 1])
@@ -134,9 +141,7 @@ def test_one_tensors_exchange_is_the_same_with_and_without_the_op(op, monkeypatc
     assert calls, "the exchange did not use the op"
     monkeypatch.setattr(native_levels, "usable", lambda rule: False)
     without = _bucket_step([(300, 257)], "auto", blocks, 4, True, communicator.Exchange)
-    for a, b in zip(with_op, without):
-        for x, y in zip(a, b):
-            np.testing.assert_array_equal(x.view(np.int32), y.view(np.int32))
+    _assert_same(with_op, without)
 
 
 def test_without_a_compiler_the_levels_come_from_tf_ops(op, monkeypatch, tmp_path, caplog):
@@ -151,9 +156,7 @@ def test_without_a_compiler_the_levels_come_from_tf_ops(op, monkeypatch, tmp_pat
     monkeypatch.setattr(bucket_mod.native_levels, "segment_levels", lambda *a: calls.append(1))
     without = _bucket_step([(40, 40), (9,)], "auto", None, 5, False)
     assert not calls
-    for a, b in zip(with_op, without):
-        for x, y in zip(a, b):
-            np.testing.assert_array_equal(x.view(np.int32), y.view(np.int32))
+    _assert_same(with_op, without)
     monkeypatch.setattr(native_levels, "_loaded", {})
     monkeypatch.setenv("HOROVOD_TWOBIT_NATIVE", "0")
     caplog.clear()
