@@ -53,7 +53,7 @@ class Exchange:
         self.block = wire.block_of(n, compressor.block, compressor.blocks)  # n is static
         if self.block:
             # one (threshold, magnitude) per block of values; the magnitudes follow the header
-            tb, vb = self._levels(compressor.auto_rule, self.block)
+            tb, vb = self._levels(compressor, self.block)
             self.threshold = codec.per_value(tb, self.block, n)
             self.magnitude = codec.per_value(vb, self.block, n)
             head = wire.make_header(n, 1.0, wire.FLAG_AUTO, self.block)
@@ -61,7 +61,7 @@ class Exchange:
         elif self.auto:
             # chosen from r + g on this rank; the magnitude is carried in the header (word 4,
             # float32 bits) and the residual commit uses both. Tensors: no host sync.
-            self.threshold, self.magnitude = self._levels(compressor.auto_rule)
+            self.threshold, self.magnitude = self._levels(compressor)
             head = wire.make_header(self.numel, 1.0, wire.FLAG_AUTO)
             tbits = tf.reshape(tf.bitcast(self.magnitude, tf.int32), [1])
         else:
@@ -73,22 +73,19 @@ class Exchange:
         self.payload = tf.concat([tf.constant(head[:1], tf.int32), tf.reshape(flags, [1]),
                                   tf.constant(head[2:4], tf.int32), tbits, words], axis=0)
 
-    def _levels(self, rule, block=None):
+    def _levels(self, compressor, block=None):
         """This rank's (threshold, magnitude) of r + g, per block with ``block``: from the CPU op
-        (:mod:`native_levels`) where it serves, else as :func:`codec.auto_levels` and
-        :func:`codec.block_levels` compute them with TF ops, the same bits."""
-        n = self.numel
-        if n is None or not native_levels.usable(rule):
+        (:mod:`native_levels`) over the segments of the tensor's layout where the op serves, else
+        as :func:`codec.auto_levels` and :func:`codec.block_levels` compute them with TF ops, the
+        same bits."""
+        rule = compressor.auto_rule
+        if self.numel is None or not native_levels.usable(rule):
             if block:
                 return codec.block_levels(self.before, self.grad, block, rule)
             return codec.auto_levels(self.before, self.grad, rule)
-        if block:
-            starts = np.arange(0, n, block)
-            lengths = np.minimum(starts + block, n) - starts
-        else:
-            starts, lengths = [0], [n]
-        t, v = native_levels.segment_levels(self.grad, tf.reshape(self.before, [-1]), starts,
-                                            lengths, rule)
+        lay = layout_of(compressor, self.keys, self.tensors)  # its blocks are the segments
+        t, v = native_levels.segment_levels(self.grad, tf.reshape(self.before, [-1]),
+                                            lay.seg_starts, lay.seg_lengths, rule)
         return (t, v) if block else (t[0], v[0])
 
     def finish(self, gathered):

@@ -58,7 +58,6 @@ def library_path():
 
 def build(path):
     """Compiles the op into ``path`` (atomically: a finished library or none)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = "%s.%d.tmp" % (path, os.getpid())
     cmd = ([os.environ.get("CXX", "g++")] + FLAGS + [SOURCE, "-o", tmp]
            + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
