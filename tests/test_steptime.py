@@ -62,6 +62,9 @@ def test_profiles_are_labelled():
     for name in ("h100-bound", "a100-bound", "v100-bound"):
         p = steptime.load_profile(name)
         assert p["kind"] == "bound" and "datasheet" in p["source"] and "bound" in p["note"]
+    h200 = steptime.load_profile("h200")  # measured on a GPU, not a bound
+    assert h200["kind"] == "measured" and not h200["serial"] and "NVIDIA H200" in h200["source"]
+    assert "h200" in steptime.profile_names()
     with pytest.raises(ValueError, match="no profile"):
         steptime.load_profile("no-such-device")
 
