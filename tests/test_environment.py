@@ -280,12 +280,16 @@ def wheel_dir(tmp_path_factory):
     return tmp / "dist"
 
 
-def test_wheel_ships_the_op_source_and_the_profiles(wheel_dir):
-    """Files beside the modules that the package reads at run time are in the wheel."""
+def test_wheel_ships_the_op_sources_and_the_profiles(wheel_dir):
+    """Files beside the modules that the package reads at run time are in the wheel: the CPU ops'
+    sources and header (native_ops.SOURCES, HEADERS) and the profiles."""
     import zipfile
     (wheel,) = os.listdir(wheel_dir)
     names = zipfile.ZipFile(os.path.join(wheel_dir, wheel)).namelist()
-    want = ["horovod_twobit/tensorflow/segment_levels.cc"] + [
+    ops = [f for f in os.listdir(os.path.join(REPO, "horovod_twobit", "tensorflow"))
+           if f.endswith((".cc", ".h"))]
+    assert {"segment_levels.cc", "bucket_encode.cc", "bucket_finish.cc", "twobit_ops.h"} <= set(ops)
+    want = ["horovod_twobit/tensorflow/" + f for f in ops] + [
         "horovod_twobit/profiles/" + f for f in os.listdir(os.path.join(REPO, "horovod_twobit", "profiles"))]
     assert sorted(set(want) - set(names)) == [], names
 

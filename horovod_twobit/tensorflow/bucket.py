@@ -23,7 +23,7 @@ import horovod.tensorflow.mpi_ops as mpi_ops
 
 from .. import wire, wire_checks
 from ..layout import Layout
-from . import codec, native_levels
+from . import codec, native_ops
 from .bucket_passes import passes_of, plan_of
 
 
@@ -101,8 +101,8 @@ class BucketExchange:
             self.before = _flat(lay, [tf.reshape(r, [-1]) for r in self.befores])
             self.fixed = None if lay.auto else tf.constant(compressor.threshold, tf.float32)
             lengths = levels = None
-            if lay.auto and native_levels.usable(compressor.auto_rule):
-                levels = native_levels.segment_levels(self.grad, self.before, lay.seg_starts,
+            if lay.auto and native_ops.usable(compressor.auto_rule):
+                levels = native_ops.segment_levels(self.grad, self.before, lay.seg_starts,
                                                       lay.seg_lengths, compressor.auto_rule)
             elif lay.auto:  # the levels' divisors, from outside the compiled body
                 lengths = tf.constant(self.plan.lengths, tf.float64)

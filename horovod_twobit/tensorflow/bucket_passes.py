@@ -6,7 +6,10 @@ every payload, the division and scale, the error-feedback commit) another. From
 ``kernels.COMPILE_MIN_NUMEL`` values each body is one XLA call (:class:`Passes`); below, or with
 ``HOROVOD_TWOBIT_COMPILE=0``, the same ops run as TF ops.
 
-"auto" levels: on a CPU the encode takes them from :mod:`native_levels`' op; elsewhere segments of
+On a CPU, where the ops can be built, both passes are instead one op each (:class:`NativePasses`,
+:mod:`native_ops`), the same bits.
+
+"auto" levels: on a CPU the encode takes them from :mod:`native_ops`' op; elsewhere segments of
 equal length are reduced as one table (rows gathered by word where they do not lie in one run), as
 the PyTorch binding's ``segment_levels`` does, their divisors (the lengths) reaching XLA as
 arguments, never as constants it could fold into a reciprocal.
@@ -18,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import wire
-from . import codec, kernels
+from . import codec, kernels, native_ops
 
 
 class Plan:
@@ -99,7 +102,7 @@ def encode_body(lay, plan, rule, head, xla, g, b, threshold, lengths, levels=Non
     """The bucket's encode: (payload, segment thresholds, segment magnitudes) -- the last two
     empty for a numeric ``threshold`` (a 0-d float32 tensor). ``g``, ``b``: the flat gradient
     and residual values (:func:`_flat`); "auto": the segments' ``levels`` when computed outside
-    (:mod:`native_levels`), else ``lengths``, the levels' divisors."""
+    (:mod:`native_ops`), else ``lengths``, the levels' divisors."""
     x = b + g
     mags = []
     if lay.auto:
@@ -190,11 +193,44 @@ class Passes:
         self.encode, self.finish = enc, fin
 
 
+class NativePasses:
+    """A layout's two bodies as :mod:`native_ops`' encode and finish ops, with the signatures of
+    :class:`Passes`' (the levels, "auto", always given to the encode)."""
+
+    xla = False
+
+    def __init__(self, lay, head, average, scale):
+        self.lay, self.head, self.average, self.scale = lay, head, average, scale
+
+    def encode(self, g, b, threshold, lengths, levels):
+        if self.lay.auto:
+            ts, vs = levels
+            return native_ops.bucket_encode(self.lay, self.head, g, b, ts, vs), ts, vs
+        empty = tf.zeros([0], tf.float32)
+        t = tf.reshape(threshold, [1])
+        return native_ops.bucket_encode(self.lay, self.head, g, b, t, t), empty, empty
+
+    def finish(self, rows, checked, count, g, before, threshold, ts, vs):
+        if not self.lay.auto:
+            ts = vs = tf.reshape(threshold, [1])
+        return native_ops.bucket_finish(self.lay, self.average, self.scale, rows, checked, count,
+                                        g, before, ts, vs)
+
+
+def native(compressor, lay):
+    """Whether a bucket of ``lay`` runs :class:`NativePasses`: the ops built, no GPU, and, for
+    "auto", levels that the op computes (not "opt")."""
+    return (not lay.single and native_ops.codec_usable()
+            and (not lay.auto or native_ops.usable(compressor.auto_rule)))
+
+
 def passes_of(compressor, lay, plan, head, average, scale):
-    xla = kernels._compiled(lay.values)
+    use = native(compressor, lay)
+    xla = not use and kernels._compiled(lay.values)
     cache = compressor._plain.eager_fns
-    key = ("passes", id(lay), compressor.auto_rule, xla, bool(average), float(scale))
+    key = ("passes", id(lay), compressor.auto_rule, use, xla, bool(average), float(scale))
     got = cache.get(key)
     if got is None or got[0] is not lay:
-        got = cache[key] = (lay, Passes(lay, plan, compressor.auto_rule, head, xla, average, scale))
+        got = cache[key] = (lay, NativePasses(lay, head, average, scale) if use else
+                            Passes(lay, plan, compressor.auto_rule, head, xla, average, scale))
     return got[1]

@@ -27,7 +27,7 @@ import tensorflow as tf
 import horovod.tensorflow.mpi_ops as mpi_ops
 
 from .. import scatter_wire, wire, wire_checks
-from . import codec, kernels, native_levels
+from . import codec, kernels, native_ops
 from .bucket import BucketExchange, layout_of
 
 
@@ -75,16 +75,16 @@ class Exchange:
 
     def _levels(self, compressor, block=None):
         """This rank's (threshold, magnitude) of r + g, per block with ``block``: from the CPU op
-        (:mod:`native_levels`) over the segments of the tensor's layout where the op serves, else
+        (:mod:`native_ops`) over the segments of the tensor's layout where the op serves, else
         as :func:`codec.auto_levels` and :func:`codec.block_levels` compute them with TF ops, the
         same bits."""
         rule = compressor.auto_rule
-        if self.numel is None or not native_levels.usable(rule):
+        if self.numel is None or not native_ops.usable(rule):
             if block:
                 return codec.block_levels(self.before, self.grad, block, rule)
             return codec.auto_levels(self.before, self.grad, rule)
         lay = layout_of(compressor, self.keys, self.tensors)  # its blocks are the segments
-        t, v = native_levels.segment_levels(self.grad, tf.reshape(self.before, [-1]),
+        t, v = native_ops.segment_levels(self.grad, tf.reshape(self.before, [-1]),
                                             lay.seg_starts, lay.seg_lengths, rule)
         return (t, v) if block else (t[0], v[0])
 

@@ -1,5 +1,5 @@
 // TwoBitSegmentLevels: the "auto" levels (threshold, magnitude) of every segment of a bucket, from
-// its flat gradient g and residual b, on the CPU. Built on first use by native_levels.py.
+// its flat gradient g and residual b, on the CPU. Built on first use by native_ops.py.
 //
 // The same arithmetic as reference_codec.auto_levels: x = b + g in float32; a = |x| in float64;
 // the mean (or, "rms", the root mean square) of a; "lsq": for each candidate threshold
@@ -10,21 +10,11 @@
 // Built without -ffast-math and with -ffp-contract=off: no reassociation, no fused multiply-add.
 #include <cfloat>
 #include <cmath>
-#include <cstdint>
 #include <string>
 
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
+#include "twobit_ops.h"
 
 namespace twobit {
-
-using tensorflow::OpKernel;
-using tensorflow::OpKernelConstruction;
-using tensorflow::OpKernelContext;
-using tensorflow::Tensor;
-using tensorflow::TensorShape;
-namespace errors = tensorflow::errors;
 
 constexpr int kMultiples = 9;  // wire.OPT_MULTIPLES
 
@@ -54,11 +44,6 @@ static inline double Abs(const float* b, const float* g, int64_t i) {
   return std::fabs(static_cast<double>(b[i] + g[i]));
 }
 
-// GCC/Clang vector types: 4 values at a time, as the machine's vectors allow
-typedef double V4d __attribute__((vector_size(32)));
-typedef int64_t V4i __attribute__((vector_size(32)));
-typedef float V4f __attribute__((vector_size(16)));
-
 static inline V4d AbsVec(const float* b, const float* g) {
   V4f bv, gv;
   __builtin_memcpy(&bv, b, sizeof bv);
@@ -66,12 +51,6 @@ static inline V4d AbsVec(const float* b, const float* g) {
   const V4d x = __builtin_convertvector(bv + gv, V4d);  // the float32 sum, then widened
   return (V4d)((V4i)x & (V4i){INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX});
 }
-
-#if defined(__x86_64__)
-#define TWOBIT_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define TWOBIT_CLONES
-#endif
 
 // Sum of |x| (or x^2) over n values, in 8 partial sums.
 TWOBIT_CLONES static double Total(const float* b, const float* g, int64_t n, bool squares) {

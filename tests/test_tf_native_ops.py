@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from horovod_twobit import reference_codec as rc
 from horovod_twobit import wire
-from horovod_twobit.tensorflow import TwoBitCompressor, native_levels
+from horovod_twobit.tensorflow import TwoBitCompressor, native_ops
 from horovod_twobit.tensorflow import bucket as bucket_mod
 from horovod_twobit.tensorflow import communicator
 from horovod_twobit.tensorflow.bucket import BucketExchange
@@ -22,8 +22,8 @@ RULES = ["lsq", "mean", "rms", "lsq*1.5", "mean*0.7"]
 
 @pytest.fixture(scope="module")
 def op():
-    mod = native_levels.module()
-    assert mod is not None, native_levels.unavailable_reason()  # g++ is installed by setup.sh
+    mod = native_ops.module()
+    assert mod is not None, native_ops.unavailable_reason()  # g++ is installed by setup.sh
     return mod
 
 
@@ -55,7 +55,7 @@ def test_op_gives_the_references_levels(op, rule):
     for i in (13, 14):  # values on a candidate threshold: "lsq" picks 1.5, not 1.0 as with >
         g[starts[i]:starts[i] + lengths[i]] = np.tile([1.0, -1.0, 2.0, 4.0], lengths[i] // 4)
         b[starts[i]:starts[i] + lengths[i]] = 0.0
-    t, v = native_levels.segment_levels(tf.constant(g), tf.constant(b), starts, lengths, rule)
+    t, v = native_ops.segment_levels(tf.constant(g), tf.constant(b), starts, lengths, rule)
     x = b + g
     want = [rc.auto_levels(x[s:s + k], rule) for s, k in zip(starts, lengths)]
     np.testing.assert_array_equal(t.numpy().view(np.int32),
@@ -70,16 +70,16 @@ def test_op_gives_the_references_levels(op, rule):
 def test_op_refuses_segments_outside_the_values(op):
     g = tf.zeros([10])
     with pytest.raises(tf.errors.InvalidArgumentError, match="segment 1 lies outside the 10"):
-        native_levels.segment_levels(g, g, [0, 8], [4, 4], "lsq")
+        native_ops.segment_levels(g, g, [0, 8], [4, 4], "lsq")
     with pytest.raises(tf.errors.InvalidArgumentError, match="g and b differ in size"):
-        native_levels.segment_levels(g, tf.zeros([9]), [0], [4], "lsq")
+        native_ops.segment_levels(g, tf.zeros([9]), [0], [4], "lsq")
 
 
 def test_op_is_not_used_for_the_opt_rule_nor_with_a_gpu(op, monkeypatch):
-    assert native_levels.usable("lsq") and native_levels.usable("rms*2")
-    assert not native_levels.usable("opt")
+    assert native_ops.usable("lsq") and native_ops.usable("rms*2")
+    assert not native_ops.usable("opt")
     monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: ["GPU:0"])
-    assert not native_levels.usable("lsq")
+    assert not native_ops.usable("lsq")
 
 
 def _bucket_step(shapes, threshold, blocks, seed, graph, exchange=BucketExchange):
@@ -121,12 +121,12 @@ def _assert_same(steps, others):
 def test_bucket_exchange_is_the_same_with_and_without_the_op(op, monkeypatch, graph, blocks,
                                                              shapes):
     calls = []
-    real = native_levels.segment_levels
-    monkeypatch.setattr(native_levels, "segment_levels",
+    real = native_ops.segment_levels
+    monkeypatch.setattr(native_ops, "segment_levels",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     with_op = _bucket_step(shapes, "auto", blocks, 3, graph)
     assert calls, "the bucket did not use the op"
-    monkeypatch.setattr(native_levels, "usable", lambda rule: False)
+    monkeypatch.setattr(native_ops, "usable", lambda rule: False)
     without = _bucket_step(shapes, "auto", blocks, 3, graph)
     _assert_same(with_op, without)
 
@@ -134,30 +134,30 @@ def test_bucket_exchange_is_the_same_with_and_without_the_op(op, monkeypatch, gr
 @pytest.mark.parametrize("blocks", [None, 1])
 def test_one_tensors_exchange_is_the_same_with_and_without_the_op(op, monkeypatch, blocks):
     calls = []
-    real = native_levels.segment_levels
-    monkeypatch.setattr(native_levels, "segment_levels",
+    real = native_ops.segment_levels
+    monkeypatch.setattr(native_ops, "segment_levels",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     with_op = _bucket_step([(300, 257)], "auto", blocks, 4, True, communicator.Exchange)
     assert calls, "the exchange did not use the op"
-    monkeypatch.setattr(native_levels, "usable", lambda rule: False)
+    monkeypatch.setattr(native_ops, "usable", lambda rule: False)
     without = _bucket_step([(300, 257)], "auto", blocks, 4, True, communicator.Exchange)
     _assert_same(with_op, without)
 
 
 def test_without_a_compiler_the_levels_come_from_tf_ops(op, monkeypatch, tmp_path, caplog):
     with_op = _bucket_step([(40, 40), (9,)], "auto", None, 5, False)
-    monkeypatch.setattr(native_levels, "_loaded", {})
+    monkeypatch.setattr(native_ops, "_loaded", {})
     monkeypatch.setenv("HOROVOD_TWOBIT_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    with caplog.at_level(logging.WARNING, logger=native_levels.__name__):
-        assert native_levels.module() is None and not native_levels.usable("lsq")
+    with caplog.at_level(logging.WARNING, logger=native_ops.__name__):
+        assert native_ops.module() is None and not native_ops.usable("lsq")
     assert "Install a C++ compiler" in caplog.text and "/nonexistent/c++" in caplog.text
     calls = []
-    monkeypatch.setattr(bucket_mod.native_levels, "segment_levels", lambda *a: calls.append(1))
+    monkeypatch.setattr(bucket_mod.native_ops, "segment_levels", lambda *a: calls.append(1))
     without = _bucket_step([(40, 40), (9,)], "auto", None, 5, False)
     assert not calls
     _assert_same(with_op, without)
-    monkeypatch.setattr(native_levels, "_loaded", {})
+    monkeypatch.setattr(native_ops, "_loaded", {})
     monkeypatch.setenv("HOROVOD_TWOBIT_NATIVE", "0")
     caplog.clear()
-    assert native_levels.module() is None and not caplog.text
+    assert native_ops.module() is None and not caplog.text

@@ -1,0 +1,153 @@
+"""The TensorFlow codec's CPU ops, built on first use: a bucket's "auto" levels, its encode
+and its finish, each one op.
+
+What: ``TwoBitSegmentLevels`` (``segment_levels.cc``) reads a flat gradient and residual once per
+pass and returns every segment's (threshold, magnitude), the bits of
+:func:`horovod_twobit.reference.auto_levels` for the rules "lsq", "mean" and "rms" (with or
+without a ``*K`` factor). ``TwoBitBucketEncode`` (``bucket_encode.cc``) and
+``TwoBitBucketFinish`` (``bucket_finish.cc``) are a bucket's two passes
+(:func:`bucket_passes.encode_body`, :func:`bucket_passes.finish_body`), the same bits.
+
+Why: on a CPU these passes as TF or XLA ops run without vector instructions (XLA's reductions,
+its per-word selects) or as many ops over the bucket (TF); the ops compare and select 4 or 8
+values at a time: the levels in about half the time of the XLA reductions, the encode and the
+finish in a third to a half of the XLA bodies' (docs/tf_step_cost.md).
+
+Trade-offs: it needs a C++ compiler (``g++``, or ``$CXX``) on first use. The library is compiled
+against the installed TensorFlow (about 20 s) and kept in ``ops/`` under
+``$HOROVOD_TWOBIT_CACHE`` (default ``~/.cache/horovod-twobit``), keyed by its sources,
+TensorFlow's version and flags; ranks that start together take a file lock, so one builds and the
+others load. Where the build fails, with a GPU (the ops have no GPU kernels: the codec stays on
+the device there), or with ``HOROVOD_TWOBIT_NATIVE=0``, the codec runs as TF and XLA ops as
+before, the same bits; the "opt" rule's levels always do.
+"""
+
+import fcntl
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+from .. import wire
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = [os.path.join(_HERE, f) for f in ("segment_levels.cc", "bucket_encode.cc",
+                                             "bucket_finish.cc")]
+HEADERS = [os.path.join(_HERE, "twobit_ops.h")]  # found beside the sources
+RULES = ("lsq", "mean", "rms")
+FLAGS = ["-shared", "-fPIC", "-O3", "-fno-fast-math", "-ffp-contract=off", "-Wno-psabi"]
+
+_log = logging.getLogger(__name__)
+_loaded = {}  # "module": the loaded op library, or None after a failure; "why": the failure
+
+
+def cache_dir():
+    root = os.environ.get("HOROVOD_TWOBIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "horovod-twobit")
+    return os.path.join(root, "ops")
+
+
+def library_path():
+    """Where the library built from these sources, for this TensorFlow, lives."""
+    key = hashlib.sha256()
+    for source in SOURCES + HEADERS:
+        with open(source, "rb") as f:
+            key.update(f.read())
+    for part in [tf.__version__, sys.platform] + FLAGS + tf.sysconfig.get_compile_flags() + \
+            tf.sysconfig.get_link_flags():
+        key.update(part.encode() + b"\0")
+    return os.path.join(cache_dir(), "twobit_ops-%s.so" % key.hexdigest()[:16])
+
+
+def build(path):
+    """Compiles the op into ``path`` (atomically: a finished library or none)."""
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    cmd = ([os.environ.get("CXX", "g++")] + FLAGS + SOURCES + ["-o", tmp]
+           + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise RuntimeError("%s: %s" % (cmd[0], e)) from None
+    if out.returncode != 0:
+        raise RuntimeError("%s failed:\n%s" % (" ".join(cmd), out.stderr[-2000:]))
+    os.replace(tmp, path)
+
+
+def module():
+    """The op library, built if needed; None where it cannot be had (the reason is logged once,
+    and kept in :func:`unavailable_reason`)."""
+    if "module" in _loaded:
+        return _loaded["module"]
+    mod = None
+    if os.environ.get("HOROVOD_TWOBIT_NATIVE", "1") == "0":
+        _loaded["why"] = "HOROVOD_TWOBIT_NATIVE=0"
+    else:
+        try:
+            path = library_path()
+            if not os.path.exists(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path + ".lock", "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)  # ranks starting together: one builds
+                    if not os.path.exists(path):
+                        build(path)
+            mod = tf.load_op_library(path)
+        except (OSError, RuntimeError, tf.errors.OpError) as e:
+            _loaded["why"] = str(e)
+            _log.warning("horovod_twobit: the TensorFlow codec's CPU ops are not available, so "
+                         "it runs as TF and XLA ops (the same values, slower): %s. Install a C++ "
+                         "compiler (g++) to have them, or set HOROVOD_TWOBIT_NATIVE=0 to silence "
+                         "this.", e)
+    _loaded["module"] = mod
+    return mod
+
+
+def unavailable_reason():
+    return _loaded.get("why")
+
+
+def usable(rule):
+    """Whether the levels of ``rule`` come from the op: a rule it knows, no GPU, the op built."""
+    return wire.parse_rule(rule)[0] in RULES and codec_usable()
+
+
+def codec_usable():
+    """Whether a bucket's encode and finish run as the ops: no GPU, the library built."""
+    return not tf.config.list_logical_devices("GPU") and module() is not None
+
+
+def segment_levels(g, b, starts, lengths, rule):
+    """(thresholds, magnitudes), float32, of the segments ``[starts[i], starts[i] + lengths[i])``
+    (static) of the flat float32 ``b + g``; only where :func:`usable`."""
+    name, k = wire.parse_rule(rule)
+    factor = tf.constant(float(k) if k else 0.0, tf.float64)  # 0: none
+    return module().two_bit_segment_levels(
+        g, b, tf.constant(np.asarray(starts, np.int64)), tf.constant(np.asarray(lengths, np.int64)),
+        tf.constant(wire.OPT_MULTIPLES, tf.float64), factor, rule=name)
+
+
+def _ints(values):
+    return tf.constant(np.asarray(values, np.int64))
+
+
+def bucket_encode(lay, head, g, b, thresholds, magnitudes):
+    """The payload of a bucket of layout ``lay`` (not single): ``head``, its static header words;
+    ``g``, ``b`` its flat gradient and residual; ``thresholds`` and ``magnitudes``: one value
+    each (a numeric threshold, twice) or, "auto", one per segment. Only where
+    :func:`codec_usable`."""
+    return module().two_bit_bucket_encode(
+        g, b, thresholds, magnitudes, _ints(lay.member_words),
+        _ints(lay.seg_words if lay.auto else []), tf.constant(head, tf.int32), mags_at=lay.head_words, body_at=lay.body)
+
+
+def bucket_finish(lay, average, scale, rows, checked, count, g, before, thresholds, magnitudes):
+    """(flat result, flat new residual, whether any member is NaN) of a bucket: ``rows``, the
+    gathered payloads (nranks, payload words); the rest as :func:`bucket_passes.finish_body`
+    takes them, the levels as :func:`bucket_encode`'s. Only where :func:`codec_usable`."""
+    return module().two_bit_bucket_finish(
+        rows, checked, count, g, before, thresholds, magnitudes, _ints(lay.member_words),
+        _ints(lay.seg_words if lay.auto else []), mags_at=lay.head_words, body_at=lay.body,
+        average=bool(average), scale=float(scale))
