@@ -142,11 +142,11 @@ def test_ops_refuse_inputs_that_do_not_fit(op):
         op.two_bit_bucket_encode(g, g, t, t, ints(2), ints(), head, mags_at=8, body_at=9)
     rows = tf.zeros([2, 11], tf.int32)
     with pytest.raises(tf.errors.InvalidArgumentError, match="do not fit 2 packed words"):
-        op.two_bit_bucket_finish(rows, True, 2.0, g, g, t, t, ints(2), ints(), mags_at=9,
+        op.two_bit_bucket_finish(rows, True, 2.0, g, g, t, t, ints(2), ints(), False, mags_at=9,
                                  body_at=8, average=True, scale=1.0)
     with pytest.raises(tf.errors.InvalidArgumentError, match="one threshold and magnitude"):
         op.two_bit_bucket_finish(rows, True, 2.0, g, g, tf.constant([0.5, 0.5]), t, ints(2),
-                                 ints(), mags_at=9, body_at=9, average=True, scale=1.0)
+                                 ints(), False, mags_at=9, body_at=9, average=True, scale=1.0)
 
 
 def test_ops_are_not_used_with_a_gpu_nor_for_the_opt_rule(op, monkeypatch):

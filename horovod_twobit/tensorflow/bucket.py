@@ -132,9 +132,9 @@ class BucketExchange:
                 count = tf.cast(tf.size(gathered) // lay.payload_words, tf.float32)
             else:
                 count = tf.constant(1.0, tf.float32)
-            out, new, self.bad = self.passes.finish(rows, checked, count, self.grad,
-                                                    self.before, self.fixed, self.ts, self.vs)
-            self.norms = codec.norms_if(self.stats_slots.norms_wanted(), new)
+            out, new, self.bad, self.norms = self.passes.finish(
+                rows, checked, count, self.grad, self.before, self.fixed, self.ts, self.vs,
+                self.stats_slots.norms_wanted())
             return commit(lay, self.residuals, new, self.tensors, out)
 
 

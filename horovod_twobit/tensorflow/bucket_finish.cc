@@ -1,8 +1,8 @@
 // TwoBitBucketFinish: a bucket's finish on the CPU, the bits of bucket_passes.finish_body: every
 // rank's payload decoded and summed in rank order, NaN for a member flagged on any rank (or for
 // every member when the headers disagree), the division of an average and the scale, and the
-// error-feedback commit of this rank's residual. One pass over the bucket's words, 16 values at
-// a time. Built on first use by native_ops.py, without -ffast-math and with -ffp-contract=off.
+// error-feedback commit of this rank's residual; when asked, the new residual's norms for the
+// stats. One pass over the bucket's words, 16 values at a time. Built on first use by native_ops.py, without -ffast-math and with -ffp-contract=off.
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -21,6 +21,7 @@ REGISTER_OP("TwoBitBucketFinish")
     .Input("magnitudes: float")    // likewise
     .Input("member_words: int64")  // words per member, in order
     .Input("seg_words: int64")     // words per segment, in order ("auto"; else empty)
+    .Input("want_norms: bool")     // whether to compute the new residual's norms
     .Attr("mags_at: int")          // the payload word of the first segment's magnitude
     .Attr("body_at: int")          // the payload's first packed word
     .Attr("average: bool")
@@ -28,10 +29,12 @@ REGISTER_OP("TwoBitBucketFinish")
     .Output("out: float")
     .Output("new_residual: float")
     .Output("bad: bool")
+    .Output("norms: double")       // its sum of squares and max |r|, NaN unless wanted
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
       c->set_output(0, c->input(3));
       c->set_output(1, c->input(3));
       c->set_output(2, c->Scalar());
+      c->set_output(3, c->Vector(2));
       return tensorflow::OkStatus();
     });
 
@@ -81,6 +84,36 @@ TWOBIT_CLONES static void FinishRun(const int32_t* const* words, int nranks, con
   }
 }
 
+// The stats' norms of the new residual x (codec.norms): its sum of squares, in float64 partial
+// sums of exact float64 squares, and its largest |x|.
+TWOBIT_CLONES static void Norms(const float* x, int64_t n, double* sumsq, double* maxabs) {
+  V4d acc[2] = {{0.0, 0.0, 0.0, 0.0}, {0.0, 0.0, 0.0, 0.0}};
+  V8f top = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    V8f v;
+    std::memcpy(&v, x + i, sizeof v);
+    const V8f a = (V8f)((V8i)v & 0x7fffffff);
+    top = a > top ? a : top;
+    for (int h = 0; h < 2; ++h) {
+      const V4d d = __builtin_convertvector((V4f){v[4 * h], v[4 * h + 1], v[4 * h + 2],
+                                                  v[4 * h + 3]}, V4d);
+      acc[h] += d * d;
+    }
+  }
+  double total = 0.0;
+  float most = 0.0f;
+  for (int l = 0; l < 4; ++l) total += acc[0][l] + acc[1][l];
+  for (int l = 0; l < 8; ++l) most = top[l] > most ? top[l] : most;
+  for (; i < n; ++i) {
+    const double d = x[i];
+    total += d * d;
+    most = std::fabs(x[i]) > most ? std::fabs(x[i]) : most;
+  }
+  *sumsq = total;
+  *maxabs = most;
+}
+
 class BucketFinishOp : public OpKernel {
  public:
   explicit BucketFinishOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -121,9 +154,11 @@ class BucketFinishOp : public OpKernel {
     Tensor* out_t = nullptr;
     Tensor* new_t = nullptr;
     Tensor* bad_t = nullptr;
+    Tensor* norms_t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, g.shape(), &out_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, g.shape(), &new_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &bad_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({2}), &norms_t));
     const int32_t* base = rows.flat<int32_t>().data();
     const float* gp = g.flat<float>().data();
     const float* bp = before.flat<float>().data();
@@ -165,6 +200,9 @@ class BucketFinishOp : public OpKernel {
       }
     }
     bad_t->scalar<bool>()() = any_bad;
+    auto norms = norms_t->flat<double>();
+    norms(0) = norms(1) = std::numeric_limits<double>::quiet_NaN();
+    if (ctx->input(9).scalar<bool>()()) Norms(np, nvalues, &norms(0), &norms(1));
   }
 
  private:

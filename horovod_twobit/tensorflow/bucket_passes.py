@@ -190,7 +190,13 @@ class Passes:
         if xla:
             enc = tf.function(enc, jit_compile=True, autograph=False)
             fin = tf.function(fin, jit_compile=True, autograph=False)
-        self.encode, self.finish = enc, fin
+        self.encode, self._finish = enc, fin
+
+    def finish(self, rows, checked, count, g, before, threshold, ts, vs, want_norms):
+        """:func:`finish_body`'s outputs and the new residual's norms when ``want_norms`` (a
+        0-d bool tensor), else NaN (:func:`codec.norms_if`)."""
+        out, new, bad = self._finish(rows, checked, count, g, before, threshold, ts, vs)
+        return out, new, bad, codec.norms_if(want_norms, new)
 
 
 class NativePasses:
@@ -210,11 +216,11 @@ class NativePasses:
         t = tf.reshape(threshold, [1])
         return native_ops.bucket_encode(self.lay, self.head, g, b, t, t), empty, empty
 
-    def finish(self, rows, checked, count, g, before, threshold, ts, vs):
+    def finish(self, rows, checked, count, g, before, threshold, ts, vs, want_norms):
         if not self.lay.auto:
             ts = vs = tf.reshape(threshold, [1])
         return native_ops.bucket_finish(self.lay, self.average, self.scale, rows, checked, count,
-                                        g, before, ts, vs)
+                                        g, before, ts, vs, want_norms)
 
 
 def native(compressor, lay):

@@ -143,11 +143,14 @@ def bucket_encode(lay, head, g, b, thresholds, magnitudes):
         _ints(lay.seg_words if lay.auto else []), tf.constant(head, tf.int32), mags_at=lay.head_words, body_at=lay.body)
 
 
-def bucket_finish(lay, average, scale, rows, checked, count, g, before, thresholds, magnitudes):
-    """(flat result, flat new residual, whether any member is NaN) of a bucket: ``rows``, the
-    gathered payloads (nranks, payload words); the rest as :func:`bucket_passes.finish_body`
-    takes them, the levels as :func:`bucket_encode`'s. Only where :func:`codec_usable`."""
+def bucket_finish(lay, average, scale, rows, checked, count, g, before, thresholds, magnitudes,
+                  want_norms):
+    """(flat result, flat new residual, whether any member is NaN, the new residual's norms) of a
+    bucket: ``rows``, the gathered payloads (nranks, payload words); the rest as
+    :func:`bucket_passes.finish_body` takes them, the levels as :func:`bucket_encode`'s; the norms
+    (:func:`codec.norms`, the sum of squares in float64) when the 0-d bool ``want_norms`` is
+    True, else NaN. Only where :func:`codec_usable`."""
     return module().two_bit_bucket_finish(
         rows, checked, count, g, before, thresholds, magnitudes, _ints(lay.member_words),
-        _ints(lay.seg_words if lay.auto else []), mags_at=lay.head_words, body_at=lay.body,
-        average=bool(average), scale=float(scale))
+        _ints(lay.seg_words if lay.auto else []), want_norms, mags_at=lay.head_words,
+        body_at=lay.body, average=bool(average), scale=float(scale))
