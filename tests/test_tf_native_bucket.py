@@ -70,8 +70,9 @@ def _run(shapes, threshold, kw, nranks, graph, op, scale, steps=4, fault=1):
 
 
 @pytest.mark.parametrize("shapes", list(SHAPES), ids=list(SHAPES))
-@pytest.mark.parametrize("graph,op_,scale", [(True, mpi_ops.Average, 1.0),
-                                             (False, mpi_ops.Sum, 0.5)], ids=["graph-avg", "eager-sum"])
+@pytest.mark.parametrize("graph,op_,scale",
+                         [(True, mpi_ops.Average, 1.0), (False, mpi_ops.Sum, 0.5)],
+                         ids=["graph-avg", "eager-sum"])
 @pytest.mark.parametrize("nranks", [1, 3])
 @pytest.mark.parametrize("threshold,kw", [(0.05, {}), ("auto", {}), ("auto", dict(block=16)),
                                           ("auto", dict(blocks=4))],

@@ -1,6 +1,7 @@
 """The CPU op for the "auto" levels (horovod_twobit/tensorflow/segment_levels.cc): the NumPy
-reference's bits for every rule and segment shape, the exchanges' results unchanged by it, and the
-TF ops' levels where it cannot be built."""
+reference's bits for every rule and segment shape, the exchanges' results unchanged by it (a
+bucket's with the encode and finish ops too), and the TF ops' levels where it cannot be built.
+The encode and finish ops alone: tests/test_tf_native_bucket.py."""
 
 import logging
 

@@ -103,7 +103,7 @@ class BucketExchange:
             lengths = levels = None
             if lay.auto and native_ops.usable(compressor.auto_rule):
                 levels = native_ops.segment_levels(self.grad, self.before, lay.seg_starts,
-                                                      lay.seg_lengths, compressor.auto_rule)
+                                                   lay.seg_lengths, compressor.auto_rule)
             elif lay.auto:  # the levels' divisors, from outside the compiled body
                 lengths = tf.constant(self.plan.lengths, tf.float64)
             self.payload, self.ts, self.vs = self.passes.encode(self.grad, self.before,

@@ -203,8 +203,6 @@ class NativePasses:
     """A layout's two bodies as :mod:`native_ops`' encode and finish ops, with the signatures of
     :class:`Passes`' (the levels, "auto", always given to the encode)."""
 
-    xla = False
-
     def __init__(self, lay, head, average, scale):
         self.lay, self.head, self.average, self.scale = lay, head, average, scale
 

@@ -64,7 +64,7 @@ def library_path():
 
 
 def build(path):
-    """Compiles the op into ``path`` (atomically: a finished library or none)."""
+    """Compiles the ops into ``path`` (atomically: a finished library or none)."""
     tmp = "%s.%d.tmp" % (path, os.getpid())
     cmd = ([os.environ.get("CXX", "g++")] + FLAGS + SOURCES + ["-o", tmp]
            + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags())
@@ -78,8 +78,8 @@ def build(path):
 
 
 def module():
-    """The op library, built if needed; None where it cannot be had (the reason is logged once,
-    and kept in :func:`unavailable_reason`)."""
+    """The ops' library, built if needed; None where it cannot be had (the reason is logged
+    once, and kept in :func:`unavailable_reason`)."""
     if "module" in _loaded:
         return _loaded["module"]
     mod = None
@@ -140,7 +140,8 @@ def bucket_encode(lay, head, g, b, thresholds, magnitudes):
     :func:`codec_usable`."""
     return module().two_bit_bucket_encode(
         g, b, thresholds, magnitudes, _ints(lay.member_words),
-        _ints(lay.seg_words if lay.auto else []), tf.constant(head, tf.int32), mags_at=lay.head_words, body_at=lay.body)
+        _ints(lay.seg_words if lay.auto else []), tf.constant(head, tf.int32),
+        mags_at=lay.head_words, body_at=lay.body)
 
 
 def bucket_finish(lay, average, scale, rows, checked, count, g, before, thresholds, magnitudes,
