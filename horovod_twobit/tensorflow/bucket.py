@@ -102,8 +102,9 @@ class BucketExchange:
             self.fixed = None if lay.auto else tf.constant(compressor.threshold, tf.float32)
             lengths = levels = None
             if lay.auto and native_ops.usable(compressor.auto_rule):
-                levels = native_ops.segment_levels(self.grad, self.before, lay.seg_starts,
-                                                   lay.seg_lengths, compressor.auto_rule)
+                levels = native_ops.segment_levels(self.grad, self.before,
+                                                   *native_ops.layout_ints(lay)[2:],
+                                                   rule=compressor.auto_rule)
             elif lay.auto:  # the levels' divisors, from outside the compiled body
                 lengths = tf.constant(self.plan.lengths, tf.float64)
             self.payload, self.ts, self.vs = self.passes.encode(self.grad, self.before,

@@ -75,8 +75,6 @@ class BucketEncodeOp : public OpKernel {
     const Tensor& b = ctx->input(1);
     const auto ts = ctx->input(2).flat<float>();
     const auto vs = ctx->input(3).flat<float>();
-    const auto member_words = ctx->input(4).flat<int64_t>();
-    const auto seg_words = ctx->input(5).flat<int64_t>();
     const auto head = ctx->input(6).flat<int32_t>();
     const int64_t nvalues = g.NumElements();
     OP_REQUIRES(ctx, b.NumElements() == nvalues && nvalues % kValuesPerWord == 0,
@@ -84,13 +82,11 @@ class BucketEncodeOp : public OpKernel {
     OP_REQUIRES(ctx, head.size() == kHeaderWords,
                 errors::InvalidArgument("head must hold ", kHeaderWords, " words"));
     const int64_t nwords = nvalues / kValuesPerWord;
-    const bool autolevels = seg_words.size() > 0;
+    const bool autolevels = ctx->input(5).NumElements() > 0;
     if (!LayoutFits(ctx, ctx->input(4), ctx->input(5), ctx->input(2), ctx->input(3), nwords,
                     mags_at_, body_at_)) {
       return;
     }
-    const int64_t members = member_words.size();
-
     Tensor* out_t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({body_at_ + nwords}), &out_t));
     int32_t* payload = out_t->flat<int32_t>().data();
@@ -102,22 +98,12 @@ class BucketEncodeOp : public OpKernel {
     const float* bp = b.flat<float>().data();
     int32_t* words = payload + body_at_;
     bool any_bad = false;
-    int64_t w = 0, seg = 0, seg_left = autolevels ? seg_words(0) : nwords;
-    for (int64_t m = 0; m < members; ++m) {
-      bool bad = false;
-      int64_t left = member_words(m);
-      while (left > 0) {
-        while (seg_left == 0) seg_left = seg_words(++seg);  // segments of no words
-        const int64_t run = left < seg_left ? left : seg_left;
-        const int64_t at = w * kValuesPerWord;
-        bad = EncodeRun(gp + at, bp + at, run, autolevels ? ts(seg) : ts(0), words + w) || bad;
-        w += run;
-        left -= run;
-        seg_left -= run;
-      }
-      flags[m] = bad ? 1 : 0;
-      any_bad = any_bad || bad;
-    }
+    ForEachRun(ctx->input(4), ctx->input(5), nwords, [&](int64_t m, int64_t w, int64_t n,
+                                                         int64_t seg) {
+      const int64_t at = w * kValuesPerWord;
+      if (EncodeRun(gp + at, bp + at, n, ts(seg), words + w)) flags[m] = 1;  // 0 from the memset
+      any_bad = any_bad || flags[m];
+    });
     if (any_bad) payload[1] |= kFlagNonfinite;
   }
 

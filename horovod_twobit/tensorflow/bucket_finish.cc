@@ -132,8 +132,6 @@ class BucketFinishOp : public OpKernel {
     const Tensor& before = ctx->input(4);
     const auto ts = ctx->input(5).flat<float>();
     const auto vs = ctx->input(6).flat<float>();
-    const auto member_words = ctx->input(7).flat<int64_t>();
-    const auto seg_words = ctx->input(8).flat<int64_t>();
     OP_REQUIRES(ctx, rows.dims() == 2, errors::InvalidArgument("rows must be 2-D"));
     const int nranks = static_cast<int>(rows.dim_size(0));
     const int64_t width = rows.dim_size(1);
@@ -145,13 +143,11 @@ class BucketFinishOp : public OpKernel {
     OP_REQUIRES(ctx, body_at_ + nwords == width,
                 errors::InvalidArgument("rows of ", width, " words do not fit ", nwords,
                                         " packed words after ", body_at_));
-    const bool autolevels = seg_words.size() > 0;
+    const bool autolevels = ctx->input(8).NumElements() > 0;
     if (!LayoutFits(ctx, ctx->input(7), ctx->input(8), ctx->input(5), ctx->input(6), nwords,
                     mags_at_, body_at_)) {
       return;
     }
-    const int64_t members = member_words.size();
-
     Tensor* out_t = nullptr;
     Tensor* new_t = nullptr;
     Tensor* bad_t = nullptr;
@@ -167,39 +163,32 @@ class BucketFinishOp : public OpKernel {
     float* np = new_t->flat<float>().data();
     std::vector<const int32_t*> words(nranks);
     std::vector<float> mags(nranks);
+    std::vector<bool> member_bad(ctx->input(7).NumElements());
     bool any_bad = false;
-    int64_t w = 0, seg = 0, seg_left = autolevels ? seg_words(0) : nwords;
-    for (int64_t m = 0; m < members; ++m) {
+    for (size_t m = 0; m < member_bad.size(); ++m) {
       bool bad = !checked;  // a member flagged by any rank is NaN everywhere
       for (int i = 0; i < nranks; ++i) {
         const uint8_t* flags = reinterpret_cast<const uint8_t*>(base + i * width + kHeaderWords);
         bad = bad || flags[m] != 0;
       }
+      member_bad[m] = bad;
       any_bad = any_bad || bad;
-      int64_t left = member_words(m);
-      while (left > 0) {
-        while (seg_left == 0) seg_left = seg_words(++seg);  // segments of no words
-        const int64_t run = left < seg_left ? left : seg_left;
-        for (int i = 0; i < nranks; ++i) {
-          const int32_t* row = base + i * width;
-          words[i] = row + body_at_ + w;
-          if (autolevels) {
-            float mag;
-            std::memcpy(&mag, row + mags_at_ + seg, sizeof mag);
-            mags[i] = mag;
-          } else {
-            mags[i] = ts(0);
-          }
-        }
-        const int64_t at = w * kValuesPerWord;
-        FinishRun(words.data(), nranks, mags.data(), run, bad, count, average_, scale_,
-                  autolevels ? ts(seg) : ts(0), autolevels ? vs(seg) : vs(0), gp + at, bp + at,
-                  op + at, np + at);
-        w += run;
-        left -= run;
-        seg_left -= run;
-      }
     }
+    ForEachRun(ctx->input(7), ctx->input(8), nwords, [&](int64_t m, int64_t w, int64_t n,
+                                                         int64_t seg) {
+      for (int i = 0; i < nranks; ++i) {
+        const int32_t* row = base + i * width;
+        words[i] = row + body_at_ + w;
+        if (autolevels) {
+          std::memcpy(&mags[i], row + mags_at_ + seg, sizeof(float));
+        } else {
+          mags[i] = ts(0);
+        }
+      }
+      const int64_t at = w * kValuesPerWord;
+      FinishRun(words.data(), nranks, mags.data(), n, member_bad[m], count, average_, scale_,
+                ts(seg), vs(seg), gp + at, bp + at, op + at, np + at);
+    });
     bad_t->scalar<bool>()() = any_bad;
     auto norms = norms_t->flat<double>();
     norms(0) = norms(1) = std::numeric_limits<double>::quiet_NaN();

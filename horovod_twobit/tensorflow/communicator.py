@@ -85,7 +85,7 @@ class Exchange:
             return codec.auto_levels(self.before, self.grad, rule)
         lay = layout_of(compressor, self.keys, self.tensors)  # its blocks are the segments
         t, v = native_ops.segment_levels(self.grad, tf.reshape(self.before, [-1]),
-                                         lay.seg_starts, lay.seg_lengths, rule)
+                                         *native_ops.layout_ints(lay)[2:], rule=rule)
         return (t, v) if block else (t[0], v[0])
 
     def finish(self, gathered):

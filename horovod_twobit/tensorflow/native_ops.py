@@ -28,6 +28,7 @@ import logging
 import os
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -43,6 +44,7 @@ FLAGS = ["-shared", "-fPIC", "-O3", "-fno-fast-math", "-ffp-contract=off", "-Wno
 
 _log = logging.getLogger(__name__)
 _loaded = {}  # "module": the loaded op library, or None after a failure; "why": the failure
+_layout_ints = weakref.WeakKeyDictionary()  # layout -> its static int64 tensors (layout_ints)
 
 
 def cache_dir():
@@ -121,16 +123,31 @@ def codec_usable():
 
 def segment_levels(g, b, starts, lengths, rule):
     """(thresholds, magnitudes), float32, of the segments ``[starts[i], starts[i] + lengths[i])``
-    (static) of the flat float32 ``b + g``; only where :func:`usable`."""
+    (static: sequences, or int64 tensors as :func:`layout_ints` gives them) of the flat float32
+    ``b + g``; only where :func:`usable`."""
     name, k = wire.parse_rule(rule)
     factor = tf.constant(float(k) if k else 0.0, tf.float64)  # 0: none
+    starts, lengths = (x if tf.is_tensor(x) else _ints(x) for x in (starts, lengths))
     return module().two_bit_segment_levels(
-        g, b, tf.constant(np.asarray(starts, np.int64)), tf.constant(np.asarray(lengths, np.int64)),
-        tf.constant(wire.OPT_MULTIPLES, tf.float64), factor, rule=name)
+        g, b, starts, lengths, tf.constant(wire.OPT_MULTIPLES, tf.float64), factor, rule=name)
 
 
 def _ints(values):
     return tf.constant(np.asarray(values, np.int64))
+
+
+def layout_ints(lay):
+    """(member words, segment words, segment starts, segment lengths) of layout ``lay`` as int64
+    tensors, made once per layout outside any trace: an exchange that is not traced (eager
+    ``hvd.allreduce``) would otherwise copy them from NumPy at every call (about 65 us each for
+    the MLP's 1 671 segments). Segment words are empty for a numeric threshold."""
+    got = _layout_ints.get(lay)
+    if got is None:
+        with tf.init_scope():
+            got = _layout_ints[lay] = tuple(_ints(v) for v in (
+                lay.member_words, lay.seg_words if lay.auto else [], lay.seg_starts,
+                lay.seg_lengths))
+    return got
 
 
 def bucket_encode(lay, head, g, b, thresholds, magnitudes):
@@ -138,10 +155,10 @@ def bucket_encode(lay, head, g, b, thresholds, magnitudes):
     ``g``, ``b`` its flat gradient and residual; ``thresholds`` and ``magnitudes``: one value
     each (a numeric threshold, twice) or, "auto", one per segment. Only where
     :func:`codec_usable`."""
-    return module().two_bit_bucket_encode(
-        g, b, thresholds, magnitudes, _ints(lay.member_words),
-        _ints(lay.seg_words if lay.auto else []), tf.constant(head, tf.int32),
-        mags_at=lay.head_words, body_at=lay.body)
+    members, segments = layout_ints(lay)[:2]
+    return module().two_bit_bucket_encode(g, b, thresholds, magnitudes, members, segments,
+                                          tf.constant(head, tf.int32), mags_at=lay.head_words,
+                                          body_at=lay.body)
 
 
 def bucket_finish(lay, average, scale, rows, checked, count, g, before, thresholds, magnitudes,
@@ -151,7 +168,7 @@ def bucket_finish(lay, average, scale, rows, checked, count, g, before, threshol
     :func:`bucket_passes.finish_body` takes them, the levels as :func:`bucket_encode`'s; the norms
     (:func:`codec.norms`, the sum of squares in float64) when the 0-d bool ``want_norms`` is
     True, else NaN. Only where :func:`codec_usable`."""
+    members, segments = layout_ints(lay)[:2]
     return module().two_bit_bucket_finish(
-        rows, checked, count, g, before, thresholds, magnitudes, _ints(lay.member_words),
-        _ints(lay.seg_words if lay.auto else []), want_norms, mags_at=lay.head_words,
-        body_at=lay.body, average=bool(average), scale=float(scale))
+        rows, checked, count, g, before, thresholds, magnitudes, members, segments, want_norms,
+        mags_at=lay.head_words, body_at=lay.body, average=bool(average), scale=float(scale))

@@ -62,6 +62,27 @@ inline bool LayoutFits(OpKernelContext* ctx, const Tensor& member_words, const T
   return false;
 }
 
+// Calls run(member, first word, words, segment) for every run of a member's words that lies in
+// one segment, member by member (segments of no words skipped). Without segments (a numeric
+// threshold) a member is one run of segment 0. LayoutFits has checked that both add up.
+template <typename Run>
+inline void ForEachRun(const Tensor& member_words, const Tensor& seg_words, int64_t nwords,
+                       Run run) {
+  const auto members = member_words.flat<int64_t>();
+  const auto segs = seg_words.flat<int64_t>();
+  int64_t w = 0, seg = 0, seg_left = segs.size() > 0 ? segs(0) : nwords;
+  for (int64_t m = 0; m < members.size(); ++m) {
+    for (int64_t left = members(m); left > 0;) {
+      while (seg_left == 0) seg_left = segs(++seg);
+      const int64_t n = left < seg_left ? left : seg_left;
+      run(m, w, n, seg);
+      w += n;
+      left -= n;
+      seg_left -= n;
+    }
+  }
+}
+
 }  // namespace twobit
 
 #endif  // HOROVOD_TWOBIT_TWOBIT_OPS_H_
