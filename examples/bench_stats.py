@@ -2,8 +2,9 @@
 than the difference of two medians of ``bench_buckets --read-stats``: four instances of the same
 model, optimizer and compressor take turns, step by step, for ``--rounds`` rounds. ``never`` and
 ``never2`` are never read (their difference is the noise between instances); ``every`` is read
-after each of its steps (the read inside its timed step); ``once`` was read once before the timing
-(so its steps do what a first read turns on) and is then only stepped. Run with two ranks and
+after each of its steps (the read inside its timed step); ``once`` was read after two steps in a
+row before the timing, as reads that come every step are, and is then only stepped: its steps do
+what such reads turn on (in TensorFlow the steps' handover), without the reads. Run with two ranks and
 Gloo, as ``bench_buckets`` runs its jobs::
 
     horovodrun -np 2 -H localhost:2 --gloo python -m examples.bench_stats --framework torch \\
@@ -38,7 +39,9 @@ def measure(steps, rounds, warmup=5, cpu=None):
     for step, _ in steps.values():
         for _ in range(warmup):
             step()
-    for k in ("every", "once"):
+    for k in ("every", "once"):  # two reads a step apart: reads that come every step
+        steps[k][1].stats()
+        steps[k][0]()
         steps[k][1].stats()
     times, order = {k: [] for k in steps}, list(steps)
     cpu_times = {k: [] for k in steps}

@@ -324,16 +324,24 @@ def test_tf_exchange_computes_its_norms_only_while_watched(sizes):
         assert norms[1] == np.abs(r).max()
 
 
-def test_tf_steps_hand_their_rows_to_the_host_while_reads_come_every_step_or_other():
-    """TensorFlow: a step traced before anyone read the stats hands nothing to the host; while
+@pytest.mark.parametrize("handover", ["table", "callback"])
+def test_tf_steps_hand_their_rows_to_the_host_while_reads_come_every_step_or_other(
+        handover, monkeypatch):
+    """TensorFlow: a step traced before anyone read the stats gives the reads nothing; while
     reads come every step or every other, the same traced step hands its bucket's row (counters
     and summary) to the host, and reads take the rows without a TensorFlow call, with the same
     values a traced read gives (steps, NaN steps, codes sent, the step's norms); reads every
-    third step turn the handover off, a read after one step on again."""
+    third step turn the handover off, a read after one step on again. ``table``: the ops' table
+    (a CPU with the ops built), which every step writes and reads use while they watch;
+    ``callback``: the ``tf.numpy_function`` behind a ``tf.cond`` (a GPU)."""
     tf = pytest.importorskip("tensorflow")
-    from horovod_twobit.tensorflow import codec
+    from horovod_twobit.tensorflow import codec, native_ops
     from horovod_twobit.tensorflow import stats as tf_stats
     from horovod_twobit.tensorflow.residuals import Residuals
+    if handover == "callback":
+        monkeypatch.setattr(native_ops, "codec_usable", lambda: False)
+    elif not native_ops.codec_usable():
+        pytest.skip("the codec's CPU ops are not built here: %s" % native_ops.unavailable_reason())
     residuals = Residuals()
     residuals.get("a", tf.zeros([40]))
     slots, traced = tf_stats.Slots(), tf_stats.residual_norms(residuals)
@@ -354,6 +362,7 @@ def test_tf_steps_hand_their_rows_to_the_host_while_reads_come_every_step_or_oth
 
     step(tf.zeros([40]), tf.fill([40], 3.0))
     assert slots._slots and all(s.host is None for s in slots._slots.values())
+    assert all(s.table == (handover == "table") for s in slots._slots.values())
     first = slots.snapshot(read, 0.5)
     assert len(calls) == 1 and first["bucket_steps"]["allgather"] == 1
     step(tf.fill([40], np.nan), tf.fill([40], -2.0))  # a NaN step, then a good one
@@ -366,6 +375,7 @@ def test_tf_steps_hand_their_rows_to_the_host_while_reads_come_every_step_or_oth
     assert (b["residual_l2"], b["residual_max"]) == (pytest.approx(np.sqrt(40 * 0.25)), 0.5)
     for s in slots._slots.values():
         s.host = None  # as if the rows were missing: the traced read gives the same values
+    native_ops.forget_stats_rows([s.key for s in slots._slots.values()])
     assert slots.snapshot(read, 0.5) == st and len(calls) == 2
     for _ in range(3):  # reads every third step: the handover stops, the reads fetch the rows
         step(tf.zeros([40]), tf.fill([40], 0.5))
@@ -477,8 +487,8 @@ def test_bucket_benchmark_times_a_stats_reading_twin_of_each_compressed_method()
 
 def test_stats_step_benchmark_reads_one_instance_every_step_and_one_once():
     """examples/bench_stats.py: four instances take turns; ``every`` is read after each of its
-    steps, ``once`` once before the timing, the two others never; every instance steps once a
-    round."""
+    steps, ``once`` only before the timing (after two steps in a row, as reads every step are),
+    the two others never; every instance steps once a round."""
     import os
     import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -499,7 +509,10 @@ def test_stats_step_benchmark_reads_one_instance_every_step_and_one_once():
     assert {k: len(t) for k, t in cpu.items()} == dict.fromkeys(bench_stats.INSTANCES, 4)
     assert all(c >= 0 for t in cpu.values() for c in t)
     reads = [k for what, k in log if what == "read"]
-    assert reads.count("every") == 1 + 4 and reads.count("once") == 1
+    assert reads.count("every") == 2 + 4 and reads.count("once") == 2
     assert "never" not in reads and "never2" not in reads
-    timed = log[len(bench_stats.INSTANCES) + 2:]  # after the warm-up steps and the two reads
+    before = log[len(bench_stats.INSTANCES):len(bench_stats.INSTANCES) + 6]  # after the warm-up
+    assert before == [("read", "every"), ("step", "every"), ("read", "every"),
+                      ("read", "once"), ("step", "once"), ("read", "once")]
+    timed = log[len(bench_stats.INSTANCES) + 6:]
     assert [k for what, k in timed if what == "step"][:4] == list(bench_stats.INSTANCES)

@@ -1,7 +1,8 @@
 """The CPU op for the "auto" levels (horovod_twobit/tensorflow/segment_levels.cc): the NumPy
 reference's bits for every rule and segment shape, the exchanges' results unchanged by it (a
 bucket's with the encode and finish ops too), and the TF ops' levels where it cannot be built.
-The encode and finish ops alone: tests/test_tf_native_bucket.py."""
+The stats' row op and its table. The encode and finish ops alone:
+tests/test_tf_native_bucket.py."""
 
 import logging
 
@@ -26,6 +27,30 @@ def op():
     mod = native_ops.module()
     assert mod is not None, native_ops.unavailable_reason()  # g++ is installed by setup.sh
     return mod
+
+
+def test_stats_row_op_keeps_each_slots_last_row_for_reads_without_tensorflow(op):
+    """``TwoBitStatsRow`` keeps the row of its step per slot number, the last step's; the table
+    reader (ctypes) gives every asked slot's row, NaN for a slot never stepped, forgotten, or
+    asked with another width; a row that is not a vector is refused."""
+    a, b = 1_000_001, 1_000_002  # numbers no compressor's slots take in this process
+
+    @tf.function
+    def step(row):
+        return native_ops.stats_row(row, a)
+    for i in range(3):  # the same traced step, three times: the last row is kept
+        assert bool(step(tf.constant([i, 0.5, -2.0, np.inf], tf.float64)))
+    assert bool(native_ops.stats_row(tf.constant([7.0, 8.0, 9.0, 1.0], tf.float64), b))
+    rows = native_ops.stats_rows([b, 999_999_999, a], 4)
+    assert rows[0].tolist() == [7.0, 8.0, 9.0, 1.0] and rows[2].tolist() == [2, 0.5, -2.0, np.inf]
+    assert np.isnan(rows[1]).all()
+    assert np.isnan(native_ops.stats_rows([a], 5)).all()  # another width: not that row
+    native_ops.forget_stats_rows([a])
+    rows = native_ops.stats_rows([a, b], 4)
+    assert np.isnan(rows[0]).all() and rows[1].tolist() == [7.0, 8.0, 9.0, 1.0]
+    native_ops.forget_stats_rows([b])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-empty vector"):
+        native_ops.stats_row(tf.zeros([2, 2], tf.float64), a)
 
 
 def _values(rng, n):

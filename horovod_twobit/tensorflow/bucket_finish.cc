@@ -2,7 +2,7 @@
 // rank's payload decoded and summed in rank order, NaN for a member flagged on any rank (or for
 // every member when the headers disagree), the division of an average and the scale, and the
 // error-feedback commit of this rank's residual; when asked, the new residual's norms for the
-// stats. One pass over the bucket's words, 16 values at a time. Built on first use by
+// stats, in the same pass. One pass over the bucket's words, 16 values at a time. Built on first use by
 // native_ops.py, without -ffast-math and with -ffp-contract=off.
 #include <cmath>
 #include <limits>
@@ -49,20 +49,35 @@ static inline void Store(float* p, V8f v) { std::memcpy(p, &v, sizeof v); }
 
 static inline V8f Splat(float x) { return V8f{x, x, x, x, x, x, x, x}; }
 
+// The stats' norms of a new residual, gathered while the finish writes it (codec.norms): per
+// lane, float64 sums of float32 sums of squares over kNormWords words (at most 8 squares each:
+// a relative error under 5e-7), and the largest |r|.
+constexpr int64_t kNormWords = 4;
+
+struct NormSums {
+  V4d sq[2] = {{0.0, 0.0, 0.0, 0.0}, {0.0, 0.0, 0.0, 0.0}};
+  V8f top = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+};
+
 // One run of words that share this rank's levels (t, v) and each sender's magnitude mags[i].
 // Value k of a word is that byte's bits 7-6, 5-4, 3-2, 1-0 (wire.WORD_SHIFTS); each value is
 // decoded as codec.decoded does (the sign, the low bit, times the magnitude where the high bit
-// is set) and the ranks' values added in rank order; every branch is a vector select.
+// is set) and the ranks' values added in rank order; every branch is a vector select. With
+// sums, the new residual's norms too, from the values as they are stored: no second pass.
 TWOBIT_CLONES static void FinishRun(const int32_t* const* words, int nranks, const float* mags,
                                     int64_t nwords, bool bad, float count, bool average,
                                     float scale, float t, float v, const float* g,
-                                    const float* before, float* out, float* fresh) {
+                                    const float* before, float* out, float* fresh,
+                                    NormSums* sums) {
   const V8u shifts[2] = {{6, 4, 2, 0, 14, 12, 10, 8}, {22, 20, 18, 16, 30, 28, 26, 24}};
   const V8f zero = Splat(0.0f), nan = Splat(std::numeric_limits<float>::quiet_NaN());
   const V8f tv = Splat(t), vv = Splat(v), neg_t = Splat(-t), countv = Splat(count);
   const V8f scalev = Splat(scale);
+  V4d sq[2] = {{0.0, 0.0, 0.0, 0.0}, {0.0, 0.0, 0.0, 0.0}};
+  V8f top = zero, block = zero;
   for (int64_t w = 0; w < nwords; ++w) {
     const int64_t at = w * kValuesPerWord;
+    V8f kept[2];
     for (int h = 0; h < 2; ++h) {
       V8f acc = zero;
       for (int i = 0; i < nranks; ++i) {
@@ -80,39 +95,26 @@ TWOBIT_CLONES static void FinishRun(const int32_t* const* words, int nranks, con
       const V8f b = Load(before + at + 8 * h);
       const V8f x = b + Load(g + at + 8 * h);
       const V8f r = x >= tv ? x - vv : (x <= neg_t ? x + vv : x);
-      Store(fresh + at + 8 * h, bad ? b : r);
+      kept[h] = bad ? b : r;
+      Store(fresh + at + 8 * h, kept[h]);
+    }
+    if (sums != nullptr) {  // NaN stays out of the max (comparisons), not out of the sum
+      const V8f a0 = (V8f)((V8i)kept[0] & 0x7fffffff), a1 = (V8f)((V8i)kept[1] & 0x7fffffff);
+      const V8f most = a0 > a1 ? a0 : a1;
+      top = most > top ? most : top;
+      block += kept[0] * kept[0] + kept[1] * kept[1];
+      if (w % kNormWords == kNormWords - 1 || w == nwords - 1) {
+        sq[0] += __builtin_convertvector((V4f){block[0], block[1], block[2], block[3]}, V4d);
+        sq[1] += __builtin_convertvector((V4f){block[4], block[5], block[6], block[7]}, V4d);
+        block = zero;
+      }
     }
   }
-}
-
-// The stats' norms of the new residual x (codec.norms): its sum of squares, in float64 partial
-// sums of exact float64 squares, and its largest |x|.
-TWOBIT_CLONES static void Norms(const float* x, int64_t n, double* sumsq, double* maxabs) {
-  V4d acc[2] = {{0.0, 0.0, 0.0, 0.0}, {0.0, 0.0, 0.0, 0.0}};
-  V8f top = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    V8f v;
-    std::memcpy(&v, x + i, sizeof v);
-    const V8f a = (V8f)((V8i)v & 0x7fffffff);
-    top = a > top ? a : top;
-    for (int h = 0; h < 2; ++h) {
-      const V4d d = __builtin_convertvector((V4f){v[4 * h], v[4 * h + 1], v[4 * h + 2],
-                                                  v[4 * h + 3]}, V4d);
-      acc[h] += d * d;
-    }
+  if (sums != nullptr) {
+    sums->sq[0] += sq[0];
+    sums->sq[1] += sq[1];
+    sums->top = top > sums->top ? top : sums->top;
   }
-  double total = 0.0;
-  float most = 0.0f;
-  for (int l = 0; l < 4; ++l) total += acc[0][l] + acc[1][l];
-  for (int l = 0; l < 8; ++l) most = top[l] > most ? top[l] : most;
-  for (; i < n; ++i) {
-    const double d = x[i];
-    total += d * d;
-    most = std::fabs(x[i]) > most ? std::fabs(x[i]) : most;
-  }
-  *sumsq = total;
-  *maxabs = most;
 }
 
 class BucketFinishOp : public OpKernel {
@@ -165,6 +167,8 @@ class BucketFinishOp : public OpKernel {
     std::vector<float> mags(nranks);
     std::vector<bool> member_bad(ctx->input(7).NumElements());
     bool any_bad = false;
+    const bool want = ctx->input(9).scalar<bool>()();
+    NormSums sums;
     for (size_t m = 0; m < member_bad.size(); ++m) {
       bool bad = !checked;  // a member flagged by any rank is NaN everywhere
       for (int i = 0; i < nranks; ++i) {
@@ -187,12 +191,19 @@ class BucketFinishOp : public OpKernel {
       }
       const int64_t at = w * kValuesPerWord;
       FinishRun(words.data(), nranks, mags.data(), n, member_bad[m], count, average_, scale_,
-                ts(seg), vs(seg), gp + at, bp + at, op + at, np + at);
+                ts(seg), vs(seg), gp + at, bp + at, op + at, np + at, want ? &sums : nullptr);
     });
     bad_t->scalar<bool>()() = any_bad;
     auto norms = norms_t->flat<double>();
     norms(0) = norms(1) = std::numeric_limits<double>::quiet_NaN();
-    if (ctx->input(9).scalar<bool>()()) Norms(np, nvalues, &norms(0), &norms(1));
+    if (want) {
+      double total = 0.0;
+      float most = 0.0f;
+      for (int l = 0; l < 4; ++l) total += sums.sq[0][l] + sums.sq[1][l];
+      for (int l = 0; l < 8; ++l) most = sums.top[l] > most ? sums.top[l] : most;
+      norms(0) = total;
+      norms(1) = most;
+    }
   }
 
  private:

@@ -222,8 +222,9 @@ class TwoBitCompressor(Compressor, tf.Module):
         sent), the bucket steps whose result was NaN, and per bucket its exchange, fraction sent
         and residual norms (per tensor with ``per_tensor=True``); the keys are those of
         :func:`horovod_twobit.stats.summarize`. Each step updates a few variables on the device
-        (no host round trip); while reads come at most two steps apart, each step also hands them
-        to the host (a ``tf.numpy_function``), so that a read costs no TensorFlow call.
+        (no host round trip) and hands them to the host (on a CPU an op that copies them into a
+        table; with a GPU a ``tf.numpy_function``, while reads come at most two steps apart), so
+        that a read right after a step costs no TensorFlow call.
         ``reset=True`` clears the running sums after reading them.
         :class:`horovod_twobit.tensorflow.TwoBitStatsCallback` puts them in Keras' logs."""
         if getattr(self._plain, "norms", None) is None:

@@ -7,6 +7,8 @@ pass and returns every segment's (threshold, magnitude), the bits of
 without a ``*K`` factor). ``TwoBitBucketEncode`` (``bucket_encode.cc``) and
 ``TwoBitBucketFinish`` (``bucket_finish.cc``) are a bucket's two passes
 (:func:`bucket_passes.encode_body`, :func:`bucket_passes.finish_body`), the same bits.
+``TwoBitStatsRow`` (``stats_rows.cc``) is the stats' handover: it copies a step's row into a table
+that :class:`StatsRows` reads through ``ctypes``.
 
 Why: on a CPU these passes as TF or XLA ops run without vector instructions (XLA's reductions,
 its per-word selects) or as many ops over the bucket (TF); the ops compare and select 4 or 8
@@ -22,6 +24,7 @@ the device there), or with ``HOROVOD_TWOBIT_NATIVE=0``, the codec runs as TF and
 before, the same bits; the "opt" rule's levels always do.
 """
 
+import ctypes
 import fcntl
 import hashlib
 import logging
@@ -37,7 +40,7 @@ from .. import wire
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, f) for f in ("segment_levels.cc", "bucket_encode.cc",
-                                             "bucket_finish.cc")]
+                                             "bucket_finish.cc", "stats_rows.cc")]
 HEADERS = [os.path.join(_HERE, "twobit_ops.h")]  # found beside the sources
 RULES = ("lsq", "mean", "rms")
 FLAGS = ["-shared", "-fPIC", "-O3", "-fno-fast-math", "-ffp-contract=off", "-Wno-psabi"]
@@ -97,6 +100,7 @@ def module():
                     if not os.path.exists(path):
                         build(path)
             mod = tf.load_op_library(path)
+            _loaded["path"] = path
         except (OSError, RuntimeError, tf.errors.OpError) as e:
             _loaded["why"] = str(e)
             _log.warning("horovod_twobit: the TensorFlow codec's CPU ops are not available, so "
@@ -166,9 +170,58 @@ def bucket_finish(lay, average, scale, rows, checked, count, g, before, threshol
     """(flat result, flat new residual, whether any member is NaN, the new residual's norms) of a
     bucket: ``rows``, the gathered payloads (nranks, payload words); the rest as
     :func:`bucket_passes.finish_body` takes them, the levels as :func:`bucket_encode`'s; the norms
-    (:func:`codec.norms`, the sum of squares in float64) when the 0-d bool ``want_norms`` is
-    True, else NaN. Only where :func:`codec_usable`."""
+    (:func:`codec.norms`: the sum of squares as float64 sums of float32 squares, computed in the
+    finish's own pass) when the 0-d bool ``want_norms`` is True, else NaN. Only where
+    :func:`codec_usable`."""
     members, segments = layout_ints(lay)[:2]
     return module().two_bit_bucket_finish(
         rows, checked, count, g, before, thresholds, magnitudes, members, segments, want_norms,
         mags_at=lay.head_words, body_at=lay.body, average=bool(average), scale=float(scale))
+
+
+def stats_row(row, key):
+    """An op that keeps the float64 vector ``row`` as slot ``key``'s row in the library's table
+    (the stats' handover, read by :func:`stats_rows`); a 0-d bool. Only where
+    :func:`codec_usable`."""
+    return module().two_bit_stats_row(row, key=int(key))
+
+
+def _rows_lib():
+    lib = _loaded.get("ctypes")
+    if lib is None:  # the library TensorFlow loaded: dlopen of the same path shares its table
+        lib = ctypes.CDLL(_loaded["path"])
+        lib.twobit_stats_rows.restype = ctypes.c_int64
+        lib.twobit_stats_forget.restype = None
+        _loaded["ctypes"] = lib
+    return lib
+
+
+class StatsRows:
+    """Reads the rows that :func:`stats_row` kept for the slot numbers ``keys``, ``width``
+    values each, with no TensorFlow call: ``read()`` -> a list of rows (lists of floats), a row
+    NaN where its slot has not stepped. The buffers are made once."""
+
+    def __init__(self, keys, width):
+        self.n, self.width = len(keys), int(width)
+        self._keys = (ctypes.c_int64 * max(self.n, 1))(*keys)
+        self._out = (ctypes.c_double * max(self.n * self.width, 1))()
+        self._fn = _rows_lib().twobit_stats_rows
+
+    def read(self):
+        self._fn(self._keys, ctypes.c_int64(self.n), ctypes.c_int64(self.width), self._out)
+        flat, w = self._out[:self.n * self.width], self.width
+        return [flat[i * w:(i + 1) * w] for i in range(self.n)]
+
+
+def stats_rows(keys, width):
+    """The rows that :func:`stats_row` kept for ``keys``, as a float64 array (len(keys), width):
+    a row NaN where its slot has not stepped."""
+    return np.array(StatsRows(list(keys), width).read(), np.float64).reshape(len(keys), width)
+
+
+def forget_stats_rows(keys):
+    """Drops the rows of ``keys`` from the table."""
+    keys = list(keys)
+    if keys and "path" in _loaded:
+        _rows_lib().twobit_stats_forget((ctypes.c_int64 * len(keys))(*keys),
+                                        ctypes.c_int64(len(keys)))

@@ -7,23 +7,33 @@ come every step or every other (:meth:`Slots.norms_wanted`; otherwise, and for t
 exchange and the fallback, the read computes them). Updating them is a few reductions and scalar
 assignments on the device: no host round trip.
 
-While reads come at least every other step, a variable that the step tests (a ``tf.cond``) has
-each step also hand its bucket's row (counters and summary, 8 values) to the host through a
-``tf.numpy_function``, and a read whose rows all came that way costs no TensorFlow call; reads
-that come less often turn it off (:meth:`Slots._follow`), so that the steps between them do no
-host work. Otherwise (:meth:`Slots.snapshot`) the rows are fetched, with the residual norms the
+Each step also hands its bucket's row (counters, whether a read watched the step, and summary:
+:data:`ROW` values) to the host. On a CPU with the codec's ops built (:mod:`native_ops`) an op
+copies it into a table in that library at every step (:func:`native_ops.stats_row`: no Python,
+no condition), which a read takes through ``ctypes``; elsewhere (a GPU) a ``tf.cond`` on a
+variable has the step hand it over through a ``tf.numpy_function`` only while reads come at
+least every other step. While they do (:meth:`Slots._follow`), the steps compute their norms
+and a read whose rows all came that way costs no TensorFlow call; reads that come less often
+turn the watch off, so that the steps between them do no host work. Otherwise (:meth:`Slots.snapshot`) the rows are fetched, with the residual norms the
 steps did not compute (per tensor, the scatter exchange, the fallback, after the residuals were
 loaded or reset), in one traced call (:func:`residual_norms`). Both are summarized as the PyTorch
 binding does (:func:`horovod_twobit.stats.summarize`)."""
 
+import itertools
 import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 from .. import scatter_wire, stats
-from . import codec
+from . import codec, native_ops
+
+# a slot's row: steps, non-finite steps, stamp, whether a read watched the step (its norms were
+# computed), then its summary (sent, sum of levels, number of levels, sum of squares, max |r|)
+ROW = 9
+_keys = itertools.count(1)  # slots' numbers in the ops' table, unique in the process
 
 
 def _variable(init):
@@ -36,12 +46,15 @@ def _variable(init):
 class _Slot:
     def __init__(self, layout, names, exchange, nbytes):
         self.layout, self.names, self.exchange, self.nbytes = layout, list(names), exchange, nbytes
+        self.bucket, self.values = scatter_wire.owner_key(names), sum(layout.numels)
         self.plain = exchange == "plain"  # the fallback: no payload, every value sent
         # (sent, sum of levels, number of levels, residual sum of squares, max |r|) at the last
         # step; the norms NaN where the step left them to the read
         self.summary = _variable(np.zeros(5, np.float64))
         self.has_norms = None  # whether the step computes its norms (set by the first record)
-        self.host = None  # (steps, non-finite, stamp, summary) of its last watched step, NumPy
+        self.host = None  # its ROW at its last watched step, NumPy
+        self.key = next(_keys)  # its row's number in the ops' table
+        self.table = False  # whether its steps hand their rows to the ops' table
         self.steps = _variable(np.int64(0))
         self.nonfinite = _variable(np.int64(0))
         self.stamp = _variable(np.int64(0))  # the compressor's clock at this slot's last step
@@ -59,6 +72,9 @@ class Slots:
         self._watched = None  # while True, steps hand their rows to the host (see snapshot)
         self._watching = False
         self._seen = {}  # slot -> its steps at the last read
+        self._keys = []  # the slots' rows in the ops' table, dropped with these slots
+        self._table = None  # (the slots that use the table, their StatsRows reader)
+        weakref.finalize(self, native_ops.forget_stats_rows, self._keys)
 
     def residuals_changed(self):
         """The residuals were loaded or reset outside a step: the norms that the slots' last
@@ -97,6 +113,7 @@ class Slots:
                 nbytes = (4 * sum(layout.numels) if exchange == "plain"
                           else scatter_wire.rank_bytes(layout, nranks, rank, exchange))
                 slot = self._slots[key] = _Slot(layout, names, exchange, nbytes)
+                self._keys.append(slot.key)
             if slot.has_norms is None:
                 slot.has_norms = norms is not None
         if bad is None:  # a member that held NaN or Inf on some rank is NaN everywhere
@@ -109,10 +126,16 @@ class Slots:
             norms = tf.constant([np.nan, np.nan], tf.float64)
         summary = tf.concat([_counts(layout, payload), norms], 0)
         updates = counters + [slot.summary.assign(summary)]
-        # once read (``watched``), the step hands its row to the host: a read then costs no call
-        row = tf.concat([tf.cast(tf.stack(counters), tf.float64), summary], 0)
-        updates.append(tf.cond(self._watched, lambda: _to_host(slot, row),
-                               lambda: tf.constant(False)))
+        # the step hands its row to the host: a read then costs no TensorFlow call
+        watched = self._watched.value()
+        row = tf.concat([tf.cast(tf.stack(counters), tf.float64),
+                         tf.reshape(tf.cast(watched, tf.float64), [1]), summary], 0)
+        if native_ops.codec_usable():  # a copy into the ops' table, every step
+            slot.table = True
+            updates.append(native_ops.stats_row(row, slot.key))
+        else:  # a host callback, only while read (``watched``)
+            updates.append(tf.cond(watched, lambda: _to_host(slot, row),
+                                   lambda: tf.constant(False)))
         with tf.control_dependencies(updates):
             return list(tf.identity_n(results))
 
@@ -122,17 +145,21 @@ class Slots:
         hold, in one traced call)."""
         with self._lock:
             slots, stale = list(self._slots.values()), self._stale
+        if self._watching:  # the rows the steps left in the ops' table
+            table = [s for s in slots if s.table]
+            if table and (self._table is None or self._table[0] != table):
+                self._table = (table, native_ops.StatsRows([s.key for s in table], ROW))
+            for s, row in zip(table, self._table[1].read() if table else ()):
+                s.host = row if row[3] == 1 else None  # a step that computed its norms
         # the buckets whose norms are read from the residuals: those whose steps do not compute
         # them, and, as the steps compute them only while watched (norms_wanted), those without
         # a row handed over since the watch began
-        needed = {scatter_wire.owner_key(s.names) for s in slots
-                  if per_tensor or stale is not None or not s.has_norms}
-        read = needed | {scatter_wire.owner_key(s.names) for s in slots
-                         if not self._watching or s.host is None}
+        needed = {s.bucket for s in slots if per_tensor or stale is not None or not s.has_norms}
+        read = needed | {s.bucket for s in slots if not self._watching or s.host is None}
         hosted = [s.host for s in slots]
         if self._watching and not read and all(h is not None for h in hosted):  # with the steps
-            counters, summaries, norms = ([h[:3].astype(np.int64).tolist() for h in hosted],
-                                          [h[3:].tolist() for h in hosted], {})
+            counters, summaries, norms = ([[int(x) for x in h[:3]] for h in hosted],
+                                          [[float(x) for x in h[4:]] for h in hosted], {})
         else:
             counters, summaries, norms = reader(slots, per_tensor, read)
         self._follow(slots, counters, useful=not needed)
@@ -151,7 +178,7 @@ class Slots:
             if reset:
                 s.base = (steps, bad)
             if steps:
-                values, key = sum(s.layout.numels), scatter_wire.owner_key(s.names)
+                values, key = s.values, s.bucket
                 if s.plain:  # uncompressed: every value sent, no levels
                     counts = (values, 0.0, 0)
                 elif s.layout.auto:
@@ -188,7 +215,7 @@ class Slots:
 
 
 def _to_host(slot, row):
-    """A host callback in the step: keeps ``row`` (float64 [8]) as ``slot.host``."""
+    """A host callback in the step: keeps ``row`` (float64 [ROW]) as ``slot.host``."""
     def keep(r):
         slot.host = r.copy()
         return np.bool_(True)
