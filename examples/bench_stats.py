@@ -4,8 +4,8 @@ model, optimizer and compressor take turns, step by step, for ``--rounds`` round
 ``never2`` are never read (their difference is the noise between instances); ``every`` is read
 after each of its steps (the read inside its timed step); ``once`` was read after two steps in a
 row before the timing, as reads that come every step are, and is then only stepped: its steps do
-what such reads turn on (in TensorFlow the steps' handover), without the reads. Run with two ranks and
-Gloo, as ``bench_buckets`` runs its jobs::
+what such reads turn on (in TensorFlow the steps' handover), without the reads. Run with two
+ranks and Gloo, as ``bench_buckets`` runs its jobs::
 
     horovodrun -np 2 -H localhost:2 --gloo python -m examples.bench_stats --framework torch \\
         --method twobit --rounds 300

@@ -2,8 +2,8 @@
 // rank's payload decoded and summed in rank order, NaN for a member flagged on any rank (or for
 // every member when the headers disagree), the division of an average and the scale, and the
 // error-feedback commit of this rank's residual; when asked, the new residual's norms for the
-// stats, in the same pass. One pass over the bucket's words, 16 values at a time. Built on first use by
-// native_ops.py, without -ffast-math and with -ffp-contract=off.
+// stats. One pass over the bucket's words, 16 values at a time, the norms included. Built on
+// first use by native_ops.py, without -ffast-math and with -ffp-contract=off.
 #include <cmath>
 #include <limits>
 #include <vector>

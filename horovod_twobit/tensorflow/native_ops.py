@@ -31,6 +31,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import weakref
 
 import numpy as np
@@ -199,17 +200,20 @@ def _rows_lib():
 class StatsRows:
     """Reads the rows that :func:`stats_row` kept for the slot numbers ``keys``, ``width``
     values each, with no TensorFlow call: ``read()`` -> a list of rows (lists of floats), a row
-    NaN where its slot has not stepped. The buffers are made once."""
+    NaN where its slot has not stepped. The buffers are made once; reads from several threads
+    take turns."""
 
     def __init__(self, keys, width):
         self.n, self.width = len(keys), int(width)
+        self._lock = threading.Lock()
         self._keys = (ctypes.c_int64 * max(self.n, 1))(*keys)
         self._out = (ctypes.c_double * max(self.n * self.width, 1))()
         self._fn = _rows_lib().twobit_stats_rows
 
     def read(self):
-        self._fn(self._keys, ctypes.c_int64(self.n), ctypes.c_int64(self.width), self._out)
-        flat, w = self._out[:self.n * self.width], self.width
+        with self._lock:  # one buffer: a read must not see another's half-written copy
+            self._fn(self._keys, ctypes.c_int64(self.n), ctypes.c_int64(self.width), self._out)
+            flat, w = self._out[:self.n * self.width], self.width
         return [flat[i * w:(i + 1) * w] for i in range(self.n)]
 
 

@@ -14,9 +14,10 @@ no condition), which a read takes through ``ctypes``; elsewhere (a GPU) a ``tf.c
 variable has the step hand it over through a ``tf.numpy_function`` only while reads come at
 least every other step. While they do (:meth:`Slots._follow`), the steps compute their norms
 and a read whose rows all came that way costs no TensorFlow call; reads that come less often
-turn the watch off, so that the steps between them do no host work. Otherwise (:meth:`Slots.snapshot`) the rows are fetched, with the residual norms the
-steps did not compute (per tensor, the scatter exchange, the fallback, after the residuals were
-loaded or reset), in one traced call (:func:`residual_norms`). Both are summarized as the PyTorch
+turn the watch off, so that the steps between them do no host work. Otherwise
+(:meth:`Slots.snapshot`) the rows are fetched, with the residual norms the steps did not compute
+(per tensor, the scatter exchange, the fallback, after the residuals were loaded or reset), in one
+traced call (:func:`residual_norms`). Both are summarized as the PyTorch
 binding does (:func:`horovod_twobit.stats.summarize`)."""
 
 import itertools
@@ -52,7 +53,7 @@ class _Slot:
         # step; the norms NaN where the step left them to the read
         self.summary = _variable(np.zeros(5, np.float64))
         self.has_norms = None  # whether the step computes its norms (set by the first record)
-        self.host = None  # its ROW at its last watched step, NumPy
+        self.host = None  # its ROW at its last watched step (NumPy, or a list from the table)
         self.key = next(_keys)  # its row's number in the ops' table
         self.table = False  # whether its steps hand their rows to the ops' table
         self.steps = _variable(np.int64(0))
