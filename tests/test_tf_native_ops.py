@@ -41,13 +41,13 @@ def test_stats_row_op_keeps_each_slots_last_row_for_reads_without_tensorflow(op)
     for i in range(3):  # the same traced step, three times: the last row is kept
         assert bool(step(tf.constant([i, 0.5, -2.0, np.inf], tf.float64)))
     assert bool(native_ops.stats_row(tf.constant([7.0, 8.0, 9.0, 1.0], tf.float64), b))
-    rows = native_ops.stats_rows([b, 999_999_999, a], 4)
-    assert rows[0].tolist() == [7.0, 8.0, 9.0, 1.0] and rows[2].tolist() == [2, 0.5, -2.0, np.inf]
+    rows = native_ops.StatsRows([b, 999_999_999, a], 4).read()
+    assert rows[0] == [7.0, 8.0, 9.0, 1.0] and rows[2] == [2, 0.5, -2.0, np.inf]
     assert np.isnan(rows[1]).all()
-    assert np.isnan(native_ops.stats_rows([a], 5)).all()  # another width: not that row
+    assert np.isnan(native_ops.StatsRows([a], 5).read()).all()  # another width: not that row
     native_ops.forget_stats_rows([a])
-    rows = native_ops.stats_rows([a, b], 4)
-    assert np.isnan(rows[0]).all() and rows[1].tolist() == [7.0, 8.0, 9.0, 1.0]
+    rows = native_ops.StatsRows([a, b], 4).read()
+    assert np.isnan(rows[0]).all() and rows[1] == [7.0, 8.0, 9.0, 1.0]
     native_ops.forget_stats_rows([b])
     with pytest.raises(tf.errors.InvalidArgumentError, match="non-empty vector"):
         native_ops.stats_row(tf.zeros([2, 2], tf.float64), a)

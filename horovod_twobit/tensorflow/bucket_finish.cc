@@ -4,7 +4,6 @@
 // error-feedback commit of this rank's residual; when asked, the new residual's norms for the
 // stats. One pass over the bucket's words, 16 values at a time, the norms included. Built on
 // first use by native_ops.py, without -ffast-math and with -ffp-contract=off.
-#include <cmath>
 #include <limits>
 #include <vector>
 

@@ -182,7 +182,7 @@ def bucket_finish(lay, average, scale, rows, checked, count, g, before, threshol
 
 def stats_row(row, key):
     """An op that keeps the float64 vector ``row`` as slot ``key``'s row in the library's table
-    (the stats' handover, read by :func:`stats_rows`); a 0-d bool. Only where
+    (the stats' handover, read by :class:`StatsRows`); a 0-d bool. Only where
     :func:`codec_usable`."""
     return module().two_bit_stats_row(row, key=int(key))
 
@@ -215,12 +215,6 @@ class StatsRows:
             self._fn(self._keys, ctypes.c_int64(self.n), ctypes.c_int64(self.width), self._out)
             flat, w = self._out[:self.n * self.width], self.width
         return [flat[i * w:(i + 1) * w] for i in range(self.n)]
-
-
-def stats_rows(keys, width):
-    """The rows that :func:`stats_row` kept for ``keys``, as a float64 array (len(keys), width):
-    a row NaN where its slot has not stepped."""
-    return np.array(StatsRows(list(keys), width).read(), np.float64).reshape(len(keys), width)
 
 
 def forget_stats_rows(keys):
