@@ -390,6 +390,112 @@ def test_tf_steps_hand_their_rows_to_the_host_while_reads_come_every_step_or_oth
     assert not slots._watching and len(calls) == 4
 
 
+@pytest.mark.parametrize("threshold", [0.5, "auto"])
+def test_tf_reads_from_the_table_give_what_the_usual_read_gives(threshold, monkeypatch):
+    """TensorFlow on a CPU: while reads come every step or every other, a read builds the
+    stats straight from the ops' table (Slots._from_table); it gives what the usual read gives
+    from the same rows, for two buckets (one of two tensors), over a NaN step and after a reset,
+    and steps aside where the case does not hold (a read with per_tensor, after the residuals
+    were reset, or three steps after the last)."""
+    tf = pytest.importorskip("tensorflow")
+    from horovod_twobit.tensorflow import codec, native_ops
+    from horovod_twobit.tensorflow import stats as tf_stats
+    from horovod_twobit.tensorflow.residuals import Residuals
+    if not native_ops.codec_usable():
+        pytest.skip("the codec's CPU ops are not built here: %s" % native_ops.unavailable_reason())
+    auto = threshold == "auto"
+    residuals = Residuals()
+    for n, size in (("a", 40), ("b", 70), ("c", 9)):
+        residuals.get(n, tf.zeros([size]))
+    slots, reader = tf_stats.Slots(), tf_stats.residual_norms(residuals)
+    buckets = [(["a"], Layout([40], auto, None, None)), (["b", "c"], Layout([70, 9], auto, None,
+                                                                             None))]
+    payloads = []
+    for i, (_, lay) in enumerate(buckets):
+        words = np.zeros(lay.payload_words, np.int32)
+        words[lay.body:lay.body + 2] = [0x3C, 0xF0 << i]  # codes 11 11, then 11 11 or 11 10
+        if auto:
+            mags = np.full(lay.mag_words or 1, 0.25 + i, np.float32).view(np.int32)
+            if lay.mag_words:
+                words[lay.head_words:lay.body] = mags
+            else:
+                words[4] = mags[0]
+        payloads.append(tf.constant(words))
+
+    @tf.function
+    def step_fn(scale):  # both buckets' finish passes: commit the residuals, record the stats
+        out = []
+        for (names, lay), payload in zip(buckets, payloads):
+            new = []
+            for n in names:
+                v = residuals.variable(n)
+                new.append(tf.fill(v.shape, scale) * tf.range(1.0, v.shape[0] + 1.0) / 7.0)
+                v.assign(new[-1])
+            result = tf.fill([3], tf.where(tf.math.is_nan(scale), np.nan, 0.0))  # NaN: NaN
+            out += slots.record(lay, names, "allgather", 2, 0, payload, [result],
+                                codec.norms_if(slots.norms_wanted(), tf.concat(new, 0)))
+        return out
+
+    def step(scale):
+        return step_fn(tf.constant(scale, tf.float32))
+
+    fast = []
+    made = slots._from_table
+
+    def counted(*a):
+        got = made(*a)
+        fast.append(got is not None)
+        return got
+    monkeypatch.setattr(slots, "_from_table", counted)
+
+    def both(**kw):  # the read, then the usual read of the same rows
+        st = slots.snapshot(reader, threshold, **kw)
+        monkeypatch.setattr(slots, "_from_table", lambda *a: None)
+        try:
+            usual = slots.snapshot(reader, threshold, **kw)
+        finally:
+            monkeypatch.setattr(slots, "_from_table", counted)
+        return st, usual
+
+    def same(a, b):
+        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    step(1.0)
+    slots.snapshot(reader, threshold)
+    for k, scale in enumerate([2.0, np.nan, 3.0, 4.0]):
+        step(scale)
+        st, usual = both()
+        same(st, usual)
+        if k >= 1:  # watched since the second read
+            assert fast[-1] and st["bucket_steps"]["allgather"] == 2 * (k + 2)
+    assert st["nonfinite_steps"] == 2 and len(st["buckets"]) == 2
+    b = st["buckets"][sw.owner_key(["b", "c"])]
+    assert b["fraction_sent"] == 4 / 79 and b["values"] == 79
+    x = 4.0 * np.concatenate([np.arange(1, 71), np.arange(1, 10)]) / 7.0
+    assert b["residual_l2"] == pytest.approx(np.sqrt((x.astype(np.float32) ** 2).sum()))
+    assert b["level_mean"] == (1.25 if auto else 0.5)
+    slots.snapshot(reader, threshold, reset=True)
+    step(5.0)
+    st, usual = both()
+    same(st, usual)
+    assert fast[-1] and st["bytes_total"]["allgather"] == sum(
+        4 * lay.payload_words for _, lay in buckets) and st["nonfinite_steps"] == 0
+    fast.clear()
+    for _ in range(3):
+        step(6.0)
+    slots.snapshot(reader, threshold)  # three steps after the last read: the usual read
+    assert fast == [False] and not slots._watching
+    step(6.0)
+    slots.snapshot(reader, threshold)
+    step(6.0)
+    same(*both())
+    assert fast == [False, True]
+    slots.snapshot(reader, threshold, per_tensor=True)  # the usual read; the watch stops
+    slots.residuals_changed()
+    step(7.0)
+    slots.snapshot(reader, threshold)  # the residuals changed: the usual read
+    assert fast == [False, True]
+
+
 def test_torch_norms_computed_by_the_step_are_read_until_the_residuals_change():
     """PyTorch: a bucket's first step after a ``stats()`` call keeps its new residual's norms
     (``step_norms``), and a read right after takes them without a pass over the residual; after
@@ -485,10 +591,12 @@ def test_bucket_benchmark_times_a_stats_reading_twin_of_each_compressed_method()
     assert "| mlp | twobit | 20.0 | 21.0 | +5.0 % | 0.40 | 2.0 % |" in table
 
 
-def test_stats_step_benchmark_reads_one_instance_every_step_and_one_once():
-    """examples/bench_stats.py: four instances take turns; ``every`` is read after each of its
-    steps, ``once`` only before the timing (after two steps in a row, as reads every step are),
-    the two others never; every instance steps once a round."""
+def test_stats_step_benchmark_rotates_the_roles_among_the_instances():
+    """examples/bench_stats.py: four instances take turns, every instance stepping once a round;
+    the roles rotate among them block by block, each instance playing each role once in four
+    blocks. Before a block an ``every`` or ``once`` instance is read after two steps in a row
+    (the watch on), a ``never`` one after three unread steps (the watch off); in the block only
+    ``every`` is read, after each of its steps; the durations go to the role."""
     import os
     import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -501,18 +609,83 @@ def test_stats_step_benchmark_reads_one_instance_every_step_and_one_once():
 
         def stats(self):
             log.append(("read", self.name))
-    steps = {k: ((lambda k=k: log.append(("step", k))), Compressor(k))
-             for k in bench_stats.INSTANCES}
+    names = ["a", "b", "c", "d"]
+    steps = {k: ((lambda k=k: log.append(("step", k))), Compressor(k)) for k in names}
     cpu = {}
-    times = bench_stats.measure(steps, rounds=4, warmup=1, cpu=cpu)
-    assert {k: len(t) for k, t in times.items()} == dict.fromkeys(bench_stats.INSTANCES, 4)
-    assert {k: len(t) for k, t in cpu.items()} == dict.fromkeys(bench_stats.INSTANCES, 4)
+    times = bench_stats.measure(steps, rounds=8, warmup=1, cpu=cpu, blocks=4)
+    assert {k: len(t) for k, t in times.items()} == dict.fromkeys(bench_stats.INSTANCES, 8)
+    assert {k: len(t) for k, t in cpu.items()} == dict.fromkeys(bench_stats.INSTANCES, 8)
     assert all(c >= 0 for t in cpu.values() for c in t)
-    reads = [k for what, k in log if what == "read"]
-    assert reads.count("every") == 2 + 4 and reads.count("once") == 2
-    assert "never" not in reads and "never2" not in reads
-    before = log[len(bench_stats.INSTANCES):len(bench_stats.INSTANCES) + 6]  # after the warm-up
-    assert before == [("read", "every"), ("step", "every"), ("read", "every"),
-                      ("read", "once"), ("step", "once"), ("read", "once")]
-    timed = log[len(bench_stats.INSTANCES) + 6:]
-    assert [k for what, k in timed if what == "step"][:4] == list(bench_stats.INSTANCES)
+    assert log[:4] == [("step", k) for k in names]  # the warm-up
+    log = log[4:]
+    settle = {"every": ["read", "step", "read"], "once": ["read", "step", "read"],
+              "never": ["step"] * 3 + ["read"], "never2": ["step"] * 3 + ["read"]}
+    played = {k: [] for k in names}
+    for block in range(4):
+        role = {names[(j + block) % 4]: r for j, r in enumerate(bench_stats.INSTANCES)}
+        for k in names:
+            n = len(settle[role[k]])
+            assert log[:n] == [(what, k) for what in settle[role[k]]], (block, k)
+            log = log[n:]
+        every = next(k for k in names if role[k] == "every")
+        timed = log[:8 + 2]  # two rounds: four steps each, and the read after every's step
+        log = log[8 + 2:]
+        assert [k for what, k in timed if what == "read"] == [every, every]
+        assert all(timed[i + 1] == ("read", every) for i, e in enumerate(timed)
+                   if e == ("step", every))
+        assert sorted(k for what, k in timed if what == "step") == sorted(names * 2)
+        for k in names:
+            played[k].append(role[k])
+    assert log == []
+    assert all(sorted(r) == sorted(bench_stats.INSTANCES) for r in played.values())
+    # turns of 3 steps in a row: each instance's steps (and every's reads) come together
+    times = bench_stats.measure(steps, rounds=2, warmup=0, blocks=1, turn=3)
+    assert {k: len(t) for k, t in times.items()} == dict.fromkeys(bench_stats.INSTANCES, 6)
+    timed = log[14:]  # after settling: 2 x 3 entries for every and once, 2 x 4 for the others
+    assert timed.count(("read", "b")) == 6 and len(timed) == 24 + 6  # b plays every in block 0
+    assert all(timed[i + 1] == ("read", "b") for i, e in enumerate(timed) if e == ("step", "b"))
+    steps_only = [k for what, k in timed if what == "step"]
+    assert all(len(set(steps_only[i:i + 3])) == 1 for i in range(0, 24, 3)), steps_only
+
+
+def test_stats_loop_benchmark_reads_one_block_of_each_pair_after_every_step():
+    """bench_stats.loop: pairs of blocks, one read after each of its steps (after reads that
+    turn the watch on), the other unread (after a read that turns it off); with ``pause`` a
+    busy wait instead of the reads in the timed steps."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from examples import bench_stats
+    log = []
+
+    class Compressor:
+        def stats(self):
+            log.append("read")
+    unread, read, spent = bench_stats.loop(lambda: log.append("step"), Compressor(), rounds=2,
+                                           block=3)
+    assert len(unread) == len(read) == 2 and len(spent) == 6
+    settle_unread = ["step"] * 3 + ["read", "step"]
+    settle_read = ["read", "step", "read", "step", "read"]
+    want = (settle_unread + ["step"] * 3 + settle_read + ["step", "read"] * 3 +
+            settle_read + ["step", "read"] * 3 + settle_unread + ["step"] * 3)
+    assert log == want
+    log.clear()
+    unread, read, spent = bench_stats.loop(lambda: log.append("step"), Compressor(), rounds=1,
+                                           block=2, pause=1e-4)
+    assert log.count("read") == 3 and all(p >= 1e-4 for p in spent) and len(spent) == 2  # settling
+
+
+def test_stats_step_benchmark_pairs_the_rounds():
+    """bench_stats.differences: the differences of the medians, then the median over groups of
+    rounds of the difference of the groups' means."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from examples import bench_stats
+    # a drift that the pairs remove: every is 1 slower than never in each group of 2 rounds
+    per = {"never": [10, 12, 20, 22, 30, 32, 40, 42, 50, 52],
+           "every": [11, 13, 22, 22, 31, 33, 41, 43, 51, 53],
+           "never2": [30, 30, 30, 30, 30, 30, 30, 30, 60, 62]}
+    assert bench_stats.differences(per, "every", group=2) == [1.0, 2.0, 1.0, -8.0]
+    # groups of 5: never 18.8 and 43.2, never2 30 and 42.4
+    assert bench_stats.differences(per, "never", group=5) == pytest.approx([0, 1, 0, -5.2])

