@@ -43,9 +43,10 @@ def measure(steps, rounds, warmup=5, cpu=None, blocks=4, seed=0, turn=1):
     (``seed``: the same on every rank), so that no role always follows another; within a turn
     what a read leaves to the next step (the other rank's read, caches) falls on its own role's
     next step, as in a training loop that reads after every step. The roles rotate among the
-    instances in ``blocks`` blocks of rounds (with 4 blocks each instance plays each
-    role once), so that what makes one instance's steps slower than another's, the same work
-    (where its memory lies, up to 0.4 ms on the MLP's 12 ms step), falls on every role alike.
+    instances in ``blocks`` blocks of rounds (with 4 blocks each instance plays each role once),
+    so that whatever makes one instance's steps slower than another's for the same work (two
+    never-read instances differed by up to 0.4 ms of the MLP's 12 ms step) falls on every role
+    alike.
     Before each block each instance is settled into its role: ``every`` and ``once`` read after
     two steps in a row (reads every step: the watch on), ``never`` and ``never2`` read after three
     unread steps (the watch off). ``every``'s timed step includes its read. ``cpu``: a dict that
