@@ -37,6 +37,19 @@ from examples.bench_buckets import ONE_RANK, tf_step, torch_step
 INSTANCES = ("never", "every", "once", "never2")
 
 
+def settle(step, comp, watched):
+    """Turns ``comp``'s watch on (two reads a step apart: reads that come every step) or off (a
+    read after three unread steps)."""
+    if watched:
+        comp.stats()
+        step()
+        comp.stats()
+    else:
+        for _ in range(3):
+            step()
+        comp.stats()
+
+
 def measure(steps, rounds, warmup=5, cpu=None, blocks=4, seed=0, turn=1):
     """{role: step durations}: ``steps`` {instance: (step, compressor)}, one instance per role of
     :data:`INSTANCES`, take turns of ``turn`` steps in a row, in an order drawn each round
@@ -60,15 +73,7 @@ def measure(steps, rounds, warmup=5, cpu=None, blocks=4, seed=0, turn=1):
     for b in range(blocks):
         role = {names[(j + b) % len(names)]: r for j, r in enumerate(INSTANCES)}
         for k in names:
-            step, comp = steps[k]
-            if role[k] in ("every", "once"):  # two reads a step apart: reads that come every step
-                comp.stats()
-                step()
-                comp.stats()
-            else:  # a read after three unread steps turns the watch off
-                for _ in range(3):
-                    step()
-                comp.stats()
+            settle(*steps[k], watched=role[k] in ("every", "once"))
         for rnd in range(b * rounds // blocks, (b + 1) * rounds // blocks):
             for k in order.sample(names, len(names)):
                 step, comp = steps[k]
@@ -94,14 +99,7 @@ def loop(step, comp, rounds, block=8, pause=0.0):
     out, spent = {True: [], False: []}, []
     for rnd in range(rounds):
         for read in ((True, False) if rnd % 2 else (False, True)):
-            if read:  # two reads a step apart: the watch on
-                comp.stats()
-                step()
-                comp.stats()
-            else:  # a read after three unread steps: the watch off
-                for _ in range(3):
-                    step()
-                comp.stats()
+            settle(step, comp, watched=read)
             step()
             if read and not pause:
                 comp.stats()
@@ -176,9 +174,9 @@ def main(argv=None):
         for _ in range(5):
             step()
         unread, read, spent = loop(step, comp, args.rounds, pause=args.pause)
-        got = hvd.allgather_object((statistics.median(unread), statistics.median(
-            [a - b for a, b in zip(read, unread)]), statistics.fmean(
-            [a - b for a, b in zip(read, unread)]), statistics.median(spent)))
+        pairs = [a - b for a, b in zip(read, unread)]
+        got = hvd.allgather_object((statistics.median(unread), statistics.median(pairs),
+                                    statistics.fmean(pairs), statistics.median(spent)))
         if hvd.rank() == 0:
             for r, g in enumerate(got):
                 print("rank %d: step %.2f ms; read after every step (%s): %+.3f ms a step "

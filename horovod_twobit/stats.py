@@ -123,21 +123,32 @@ def summarize(last, bytes_total, steps, nonfinite, residual_norms, threshold, pe
         else:
             sq = sum(norms[n][0] for n in s.names if n in norms)
             mx = max([norms[n][1] for n in s.names if n in norms], default=0.0)
-        buckets[key] = {
-            "tensors": list(s.names), "exchange": s.exchange, "values": s.values,
-            "bytes_last_step": s.nbytes, "fraction_sent": nonzero / max(s.values, 1),
-            "level_mean": lsum / lcount if lcount else float("nan"),
-            "residual_l2": sq ** 0.5, "residual_max": mx}
-    out["fraction_sent"] = sent / values if values else 0.0
-    if threshold == "auto":
-        out["threshold"] = level_sum / level_count if level_count else float("nan")
-    else:
-        out["threshold"] = float(threshold)
+        buckets[key] = bucket_entry(s.names, s.exchange, s.values, s.nbytes, nonzero, lsum,
+                                    lcount, sq, mx)
+    out["fraction_sent"], out["threshold"] = overall(sent, values, level_sum, level_count,
+                                                     threshold)
     out["buckets"] = buckets
     if per_tensor:
         out["tensors"] = {n: {"residual_l2": q ** 0.5, "residual_max": m}
                           for n, (q, m) in sorted(norms.items())}
     return out
+
+
+def bucket_entry(names, exchange, values, nbytes, nonzero, lsum, lcount, sq, mx):
+    """A bucket's entry in the stats' ``buckets``: its step's counts (values sent, sum and
+    number of levels) and its residual's (sum of squares, max |r|)."""
+    return {"tensors": list(names), "exchange": exchange, "values": values,
+            "bytes_last_step": nbytes, "fraction_sent": nonzero / max(values, 1),
+            "level_mean": lsum / lcount if lcount else float("nan"),
+            "residual_l2": sq ** 0.5, "residual_max": mx}
+
+
+def overall(sent, values, level_sum, level_count, threshold):
+    """(the fraction of values sent, the threshold or with "auto" the mean of the levels) over
+    the buckets' last steps."""
+    if threshold == "auto":
+        threshold = level_sum / level_count if level_count else float("nan")
+    return (sent / values if values else 0.0), float(threshold)
 
 
 def scalars(snapshot, prefix="twobit/"):

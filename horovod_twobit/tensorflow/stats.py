@@ -203,10 +203,12 @@ class Slots:
 
     def _from_table(self, slots, threshold):
         """:meth:`snapshot`'s common case, with less Python (a read right after a step runs
-        cold: 60-80 us against 105-120 us on the MLP): while watched, every slot's row in the ops' table,
-        from a watched step no more than two steps after the last read, each bucket in one
-        slot; the dict that :func:`horovod_twobit.stats.summarize` gives, built straight from
-        the rows. None where the case does not hold (then :meth:`snapshot` reads as usual)."""
+        cold: 60-80 us against 105-120 us on the MLP): while watched, every slot's row in the
+        ops' table, from a watched step no more than two steps after the last read, each bucket
+        in one slot; the dict that :func:`horovod_twobit.stats.summarize` gives, built straight from
+        the rows with its parts (:func:`~horovod_twobit.stats.bucket_entry`,
+        :func:`~horovod_twobit.stats.overall`). None where the case does not hold (then
+        :meth:`snapshot` reads as usual)."""
         table = self._table
         if table is None or table[0] != slots or not table[2]:
             return None
@@ -232,19 +234,15 @@ class Slots:
                 nonzero, lsum, lcount = int(row[4]), float(threshold), 1
             sent, values = sent + nonzero, values + s.values
             level_sum, level_count = level_sum + lsum, level_count + lcount
-            buckets[key] = {
-                "tensors": list(s.names), "exchange": s.exchange, "values": s.values,
-                "bytes_last_step": s.nbytes, "fraction_sent": nonzero / max(s.values, 1),
-                "level_mean": lsum / lcount if lcount else float("nan"),
-                "residual_l2": float(row[7]) ** 0.5, "residual_max": float(row[8])}
+            buckets[key] = stats.bucket_entry(s.names, s.exchange, s.values, s.nbytes, nonzero,
+                                              lsum, lcount, float(row[7]), float(row[8]))
             s.host = row
         with self._lock:
             self._seen = {s: int(row[0]) for s, row in zip(slots, rows)}
-        if threshold == "auto":
-            threshold = level_sum / level_count if level_count else float("nan")
+        fraction, threshold = stats.overall(sent, values, level_sum, level_count, threshold)
         return {"bytes_total": total, "bucket_steps": steps, "nonfinite_steps": nonfinite,
-                "bytes_last_step": last, "fraction_sent": sent / values if values else 0.0,
-                "threshold": float(threshold), "buckets": buckets}
+                "bytes_last_step": last, "fraction_sent": fraction, "threshold": threshold,
+                "buckets": buckets}
 
     def _follow(self, slots, counters, useful):
         """Turns the steps' handover on while reads come at least every other step of each
