@@ -520,7 +520,7 @@ def parser():
                          "of these hosts (<out>/profile-<N>h-<rate>.json, and \"profiles\" in "
                          "bench_cluster.json, which `advise validate` uses); --models '' runs "
                          "only this")
-    ap.add_argument("--calibrate-sizes", default="65536,262144,1048576,4194304,16777216",
+    ap.add_argument("--calibrate-sizes", default="4096,65536,262144,1048576,4194304,16777216",
                     help="bucket sizes (values) --calibrate times (default %(default)s)")
     ap.add_argument("--calibrate-min-wall", type=float, default=0.25,
                     help="wall seconds each of --calibrate's readings spans at least, many CPU "

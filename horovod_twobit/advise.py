@@ -235,8 +235,11 @@ def main_calibrate(argv):
     p.add_argument("--name", help="default: cpu, or the device's kind (cuda)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: one core "
                                                           "per worker, as the emulation's hosts)")
-    p.add_argument("--sizes", default="64K,256K,1M,4M,16M",
+    p.add_argument("--sizes", default="4K,64K,256K,1M,4M,16M",
                    help="bucket sizes in values, spanning the cache (default %(default)s)")
+    p.add_argument("--members", type=int, default=calibrate.MEMBERS,
+                   help="time a bucket of this many members too, for the cost per member "
+                        "(default %(default)s; 1: not timed)")
     p.add_argument("--ranks", default="2,4,8")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--eager", action="store_true", help="time the uncompiled codec")
@@ -256,7 +259,8 @@ def main_calibrate(argv):
     prof = calibrate.calibrate(args.out, sizes=sizes, ranks=[int(r) for r in args.ranks.split(",")],
                                threads=args.threads, compiled=not args.eager, reps=args.reps,
                                name=args.name, dilation=args.dilation, device=args.device,
-                               clock=args.clock or ("cpu" if args.device == "cpu" else "wall"))
+                               clock=args.clock or ("cpu" if args.device == "cpu" else "wall"),
+                               members=args.members)
     print("wrote %s" % args.out)
     for k in steptime.CODEC_KEYS:
         c0, c1, a, b = prof["codec"][k]
@@ -268,6 +272,13 @@ def main_calibrate(argv):
         e = by_size["keys"][k]
         print("  %-20s %.3g s + %.3g s x N; %s" % (k, e["fixed"][0], e["fixed"][1], ", ".join(
             "%.3g + %.3g N" % (a * 1e9, b * 1e9) for a, b in e["per_value"])))
+    if prof.get("codec_members"):
+        cm = prof["codec_members"]
+        print("per member beyond the first (a bucket of %d members, %s values), us:" % (
+            cm["members"], _count(cm["values"])))
+        for k in steptime.CODEC_KEYS:
+            m0, m1 = cm["keys"][k]
+            print("  %-20s %.3g + %.3g x N" % (k, m0 * 1e6, m1 * 1e6))
     for k in ("sum_fp32_s", "sum_fp16_s", "cast_fp16_s", "copy_s_per_byte", "optimizer_s",
               "kernel_s_per_byte", "message_s"):
         print("  %-20s %.3g" % (k, prof[k]))

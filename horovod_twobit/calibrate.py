@@ -14,15 +14,21 @@ from . import scatter_wire as _sw
 from .steptime import CODEC_KEYS
 
 
-def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ranks=(2, 4, 8),
-              threads=1, compiled=True,
-              reps=5, name="cpu", clock="cpu", dilation=1.0, min_wall_s=0.25, device="cpu"):
+SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+MEMBERS = 64  # the bucket whose members' cost is timed: this many members
+
+
+def calibrate(path=None, sizes=SIZES, ranks=(2, 4, 8), threads=1, compiled=True,
+              reps=5, name="cpu", clock="cpu", dilation=1.0, min_wall_s=0.25, device="cpu",
+              members=MEMBERS):
     """Measures this machine's codec rates with the project's own codec functions (PyTorch,
     ``threads`` threads, the compiled path unless ``compiled=False``; the ones
     ``horovod_twobit.benchmarks.codec`` times, plus the "auto" and scatter ones) and the costs the
     model takes per value (sums, copies, casts, the optimizer, the kernel's TCP work per byte, the
     software latency of a message). Each codec call is fitted as ``c0 + c1 N + n (a + b N)`` from
-    the sizes and rank counts timed, and by size (:func:`_fit_by_size`). Returns the profile and writes it to ``path`` (JSON).
+    the sizes and rank counts timed, and by size (:func:`_fit_by_size`); its cost per member of
+    a bucket from a bucket of ``members`` members (:func:`_fit_members`; 0 or 1: not timed).
+    Returns the profile and writes it to ``path`` (JSON).
 
     ``clock``: "cpu" (default) times each call in this process's CPU seconds, what one core of a
     host spends, which other jobs on a shared machine do not inflate; "wall" in wall seconds
@@ -58,6 +64,14 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ra
         codec = {k: _fit(v) for k, v in points.items()}
         by_size = {"sizes": sorted({int(n) for n in sizes}),
                    "keys": {k: _fit_by_size(v) for k, v in points.items()}}
+        bucket = None
+        if members and int(members) > 1:
+            n = member_values(sizes, members)
+            bucket = {"members": int(members), "values": n, "points": {k: [] for k in CODEC_KEYS}}
+            for N in ranks:
+                for key, secs in _time_codec(n, int(N), reps, timer, device,
+                                             int(members)).items():
+                    bucket["points"][key].append((int(N), secs))
         per = _time_per_value(1 << 22, reps, timer, device)
     finally:
         bodies.COMPILE_MIN_NUMEL = old
@@ -73,6 +87,9 @@ def calibrate(path=None, sizes=(1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), ra
                      % device.type if gpu else
                      "one host = one core doing compute, codec and the exchange's CPU work"),
             "codec": codec, "codec_by_size": by_size, "points": points}
+    if bucket:
+        prof["member_points"] = bucket
+        prof["codec_members"] = _fit_members(points, bucket)
     prof.update(per)
     prof.update(_time_network(nbytes=(64 << 20) if clock == "cpu" else (256 << 20), timer=timer,
                               dilation=dilation if clock == "wall" else 1.0))
@@ -158,16 +175,26 @@ def _median_time(fn, reps, timer=None):
     return statistics.median(ts)
 
 
-def _time_codec(n, N, reps, timer=None, device="cpu"):
-    """Seconds of each codec call on one tensor of n values among N ranks (the other ranks'
-    payloads are copies of this one's), its tensors on ``device``."""
+def member_values(sizes, members):
+    """The size of the bucket :func:`calibrate` times with ``members`` members: the smallest of
+    ``sizes`` that gives each member at least 16 values (one word), else the largest."""
+    fit = [int(n) for n in sorted(sizes) if int(n) >= 16 * int(members)]
+    return fit[0] if fit else int(max(sizes))
+
+
+def _time_codec(n, N, reps, timer=None, device="cpu", members=1):
+    """Seconds of each codec call on a bucket of n values among N ranks (the other ranks'
+    payloads are copies of this one's), its tensors on ``device``: one tensor, or ``members``
+    members of (nearly) equal size."""
     import torch
     from .torch import codec, scatter_codec
     out = {}
+    numels = [n // members + (1 if i < n % members else 0) for i in range(members)]
+    names = ["x%d" % i for i in range(members)]
     for auto in (False, True):
         sfx = "_auto" if auto else ""
         thr = "auto" if auto else 0.5
-        lay = _layout.Layout([n], auto)
+        lay = _layout.Layout(numels, auto)
         g = torch.randn(n, device=device) * 0.3
         r = torch.zeros(n, device=device)
         payload = torch.empty(lay.payload_words, dtype=torch.int32, device=device)
@@ -177,7 +204,7 @@ def _time_codec(n, N, reps, timer=None, device="cpu"):
         gathered = payload.repeat(N)
         work = g.clone()
         out["finish" + sfx] = _median_time(
-            lambda: codec.finish_payload(lay, gathered, N, ["x"], r, work, t, v, N, 1.0), reps,
+            lambda: codec.finish_payload(lay, gathered, N, names, r, work, t, v, N, 1.0), reps,
             timer)
         chunks = _sw.Chunks(lay, N)
         send, splits = scatter_codec.chunk_payloads(chunks, payload, thr)
@@ -191,7 +218,7 @@ def _time_codec(n, N, reps, timer=None, device="cpu"):
             mine = send[offs[c]:offs[c + 1]]
             received = mine.repeat(N)
             res = torch.zeros(chunks.values(c), device=device) if auto else None
-            fn = lambda: scatter_codec.owner_reduce(chunks, received, [int(splits[c])] * N, ["x"],
+            fn = lambda: scatter_codec.owner_reduce(chunks, received, [int(splits[c])] * N, names,
                                                     c, thr, "lsq", res)
             if c == 0:
                 out["owner" + sfx] = _median_time(fn, reps, timer)
@@ -199,8 +226,8 @@ def _time_codec(n, N, reps, timer=None, device="cpu"):
             reduced.append(p)
         gathered2 = torch.cat(reduced)
         out["scatter_finish" + sfx] = _median_time(
-            lambda: scatter_codec.finish_reduced(chunks, gathered2, ["x"], r, work, t, v,
-                                                 [False], N, 1.0), reps, timer)
+            lambda: scatter_codec.finish_reduced(chunks, gathered2, names, r, work, t, v,
+                                                 [False] * members, N, 1.0), reps, timer)
     return out
 
 
@@ -242,13 +269,37 @@ def _fit_by_size(points):
     return {"fixed": [c0, c1], "per_value": per_value}
 
 
+def _fit_members(points, bucket):
+    """``{"members", "values", "keys": {key: [m0, m1]}}``: each codec call's seconds per member
+    of a bucket beyond the first, ``m0 + m1 N``, each >= 0, from the bucket of
+    ``bucket["members"]`` members and ``bucket["values"]`` values timed at each N
+    (``bucket["points"]``: {key: [(N, seconds)]}) against one tensor of as many values at the
+    same N (``points``, :func:`calibrate`'s): what a call does per member (a member's offsets,
+    flags and levels' segments) that a one-tensor call at the same size does not."""
+    import numpy as np
+    M, n = int(bucket["members"]), int(bucket["values"])
+    keys = {}
+    for key, timed in bucket["points"].items():
+        one = {int(N): secs for m, N, secs in points[key] if int(m) == n}
+        at = [(int(N), (secs - one[int(N)]) / (M - 1)) for N, secs in timed if int(N) in one]
+        if not at:
+            raise ValueError("the bucket of %d members was timed at N = %s, one tensor of %d "
+                             "values at none of them" % (M, [N for N, _ in timed], n))
+        A = np.array([[1.0, N] for N, _ in at])
+        keys[key] = [max(0.0, c) for c in _nonneg_lstsq(A, np.array([d for _, d in at]))]
+    return {"members": M, "values": n, "keys": keys}
+
+
 def refit(prof):
-    """``prof`` with its ``codec`` and ``codec_by_size`` fitted again from its timed ``points``
-    (a profile written before the fits changed, or with points added)."""
+    """``prof`` with its ``codec``, ``codec_by_size`` and (where it timed a bucket of members)
+    ``codec_members`` fitted again from its timed ``points`` (a profile written before the fits
+    changed, or with points added)."""
     points = {k: [tuple(p) for p in v] for k, v in prof["points"].items()}
     prof = dict(prof, codec={k: _fit(v) for k, v in points.items()})
     prof["codec_by_size"] = {"sizes": sorted({n for v in points.values() for n, _, _ in v}),
                              "keys": {k: _fit_by_size(v) for k, v in points.items()}}
+    if prof.get("member_points"):
+        prof["codec_members"] = _fit_members(points, prof["member_points"])
     return prof
 
 

@@ -14,7 +14,8 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
                  allreduce1_loaded_s=None):
     """One profile for the hosts of a virtual cluster, from each host's
     :func:`~horovod_twobit.calibrate.calibrate` with ``clock="wall"`` (run on every host at
-    once): per codec point, per-value cost and message cost, the median over hosts, refitted;
+    once): per codec point (one tensor, and the bucket of members where every host timed one),
+    per-value cost and message cost, the median over hosts, refitted;
     ``collective_s``, the fixed cost per collective, from ``allreduce1_s``, the seconds of a
     one-value allreduce among the ``nranks`` hosts (real-host seconds), less what the model
     charges such an allreduce besides it: half of Horovod's ``cycle_s`` and its messages
@@ -42,7 +43,16 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
             for n, N, secs in p["points"][k]:
                 at.setdefault((int(n), int(N)), []).append(secs)
         points[k] = [(n, N, statistics.median(v)) for (n, N), v in sorted(at.items())]
-    prof = refit(dict(profs[0], name=name, points=points))
+    bucket = None
+    if all(p.get("member_points") for p in profs):
+        first = profs[0]["member_points"]
+        bucket = dict(first, points={
+            k: [(N, statistics.median(secs for p in profs
+                                      for m, secs in p["member_points"]["points"][k] if m == N))
+                for N, _ in v] for k, v in first["points"].items()})
+    prof = {k: v for k, v in profs[0].items() if k not in ("member_points", "codec_members")}
+    prof = refit(dict(prof, name=name, points=points, **({"member_points": bucket} if bucket
+                                                          else {})))
     for k, v in profs[0].items():
         if k.endswith("_s") or k.endswith("_per_byte"):
             prof[k] = statistics.median(p[k] for p in profs)

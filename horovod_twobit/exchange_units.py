@@ -62,8 +62,8 @@ def units(sizes, method, nranks, prof, bucket_bytes):
     """The units of a step in the order their gradients become ready (fresh objects; their
     sizes, bytes and codec costs are computed once per model, method, N and profile)."""
     key = (tuple(sizes), method, nranks, bucket_bytes,
-           json.dumps([prof["codec"], prof.get("codec_by_size"), prof["cast_fp16_s"]],
-                      sort_keys=True))
+           json.dumps([prof["codec"], prof.get("codec_by_size"), prof.get("codec_members"),
+                       prof["cast_fp16_s"]], sort_keys=True))
     if key not in _CACHE:
         if len(_CACHE) > 4096:
             _CACHE.clear()
@@ -115,20 +115,19 @@ def _make(sizes, method, nranks, prof, bucket_bytes):
 def bucket_unit(lay, exchange, nranks, prof, members=None):
     """The unit of one TwoBit bucket of layout ``lay`` sent by ``exchange`` ("allgather" or
     "scatter") among ``nranks`` ranks: its bytes by the formats' own counts, its codec calls by
-    the profile."""
+    the profile (per member where it measured that)."""
     N, suffix = nranks, "_auto" if lay.auto else ""
     u = Unit(members, lay.values, exchange)
+    cost = lambda key: codec_s(prof, key + suffix, lay.values, N, lay.members)  # noqa: E731
     if exchange == "scatter":
         sent, red = scatter_words(lay, N)
         u.bytes = 4.0 * sent * (N - 1) / N      # one rank's share of the alltoall
         u.bytes2 = 4.0 * red * (N - 1) / N      # and of the allgather of the owners' sums
-        u.encode = codec_s(prof, "scatter_encode" + suffix, lay.values, N)
-        u.owner = codec_s(prof, "owner" + suffix, lay.values, N)
-        u.decode = codec_s(prof, "scatter_finish" + suffix, lay.values, N)
+        u.encode, u.owner, u.decode = (cost("scatter_encode"), cost("owner"),
+                                       cost("scatter_finish"))
     else:
         u.bytes = 4.0 * lay.payload_words        # sent to each of the N - 1 others
-        u.encode = codec_s(prof, "encode" + suffix, lay.values, N)
-        u.decode = codec_s(prof, "finish" + suffix, lay.values, N)
+        u.encode, u.decode = cost("encode"), cost("finish")
     return u
 
 

@@ -12,7 +12,11 @@ one that does not::
 
 There, a call costs ``c0 + c1 N + n (a(n) + b(n) N)`` with ``a(n)``, ``b(n)`` interpolated
 linearly in log n between the measured sizes and held at the end points' values beyond them. A
-profile without it (older files, the bounds) costs as ``codec`` says.
+profile without it (older files, the bounds) costs as ``codec`` says. A measured profile may also
+hold ``codec_members`` (:func:`horovod_twobit.calibrate.calibrate` times a bucket of many
+members against one tensor of as many values): ``{"keys": {key: [m0, m1]}, ...}``, the seconds
+per member beyond the first, ``m0 + m1 N``, that a bucket of ``k`` members adds to a call:
+``(k - 1) (m0 + m1 N)``. Without it a bucket costs what one tensor of its values costs.
 """
 
 import bisect
@@ -49,6 +53,14 @@ def load_profile(name_or_path):
         if not sizes or sorted(sizes) != list(sizes) or bad:
             raise ValueError("profile %s: codec_by_size needs ascending sizes and, per key, "
                              "fixed [c0, c1] and one [a, b] per size (bad: %s)" % (path, bad))
+    per_member = prof.get("codec_members")
+    if per_member:
+        bad = [k for k, v in per_member.get("keys", {}).items()
+               if len(v) != 2 or min(v) < 0]
+        if bad or not per_member.get("keys"):
+            raise ValueError("profile %s: codec_members needs, per key, [m0, m1] >= 0 (bad: %s); "
+                             "calibrate again (python -m horovod_twobit.advise calibrate)"
+                             % (path, bad or "no keys"))
     return prof
 
 
@@ -83,12 +95,17 @@ def codec_coefficients(prof, key, values):
     return entry["fixed"][0], entry["fixed"][1], a, b
 
 
-def codec_s(prof, key, values, nranks):
-    """Seconds of one codec call on a bucket of ``values`` values among ``nranks`` ranks:
-    ``c0 + c1 N + values (a + b N)`` with the profile's coefficients (at that size, where it
-    has them by size)."""
+def codec_s(prof, key, values, nranks, members=1):
+    """Seconds of one codec call on a bucket of ``values`` values in ``members`` tensors among
+    ``nranks`` ranks: ``c0 + c1 N + values (a + b N)`` with the profile's coefficients (at that
+    size, where it has them by size), plus ``(members - 1) (m0 + m1 N)`` where the profile
+    measured a cost per member (``codec_members``)."""
     c0, c1, a, b = codec_coefficients(prof, key, values)
-    return max(0.0, c0 + c1 * nranks + values * (a + b * nranks))
+    secs = max(0.0, c0 + c1 * nranks + values * (a + b * nranks))
+    per_member = (prof.get("codec_members") or {}).get("keys", {}).get(key)
+    if per_member and members > 1:
+        secs += (members - 1) * (per_member[0] + per_member[1] * nranks)
+    return secs
 
 
 def bandwidth_bound_profile(name, bytes_per_s, source, call_s=3e-5, message_s=1e-5):

@@ -205,3 +205,24 @@ def test_a_collective_during_backward_waits_for_the_core():
         want = steptime.predict(sizes, method, 4, "1gbit", 0.05, bare, latency_s=0.0)
         assert (got.step_s > want.step_s + 1e-3) == slower, method
         assert got.parts["cpu"] == pytest.approx(want.parts["cpu"])  # waiting, not CPU
+
+
+def _with_members(prof, scale, M=64, n=1024, N=(2, 4)):
+    """``prof`` (a :func:`_host`) with a bucket of ``M`` members of ``n`` values timed: each call
+    ``scale`` x (5e-6 + 1e-6 N) s per member beyond the first over one tensor's."""
+    one = {b: s for a, b, s in prof["points"]["encode"] if a == n}
+    bucket = {"members": M, "values": n, "points": {
+        k: [(b, one[b] + (M - 1) * scale * (5e-6 + 1e-6 * b)) for b in N]
+        for k in steptime.CODEC_KEYS}}
+    return calibrate.refit(dict(prof, member_points=bucket))
+
+
+def test_from_cluster_takes_the_median_hosts_cost_per_member():
+    hosts = [_with_members(_host(s), s) for s in (1.0, 2.0, 9.0)]
+    prof = cluster_profile.from_cluster(hosts, allreduce1_s=2e-3, nranks=4)
+    for k in steptime.CODEC_KEYS:
+        assert prof["codec_members"]["keys"][k] == pytest.approx([1e-5, 2e-6], rel=1e-6)
+    steptime.load_profile(prof)
+    # a host that timed no bucket of members: the merged profile has no cost per member
+    mixed = cluster_profile.from_cluster(hosts[:2] + [_host(9.0)], 2e-3, 4)
+    assert "codec_members" not in mixed and "member_points" not in mixed

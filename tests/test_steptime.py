@@ -250,6 +250,82 @@ def test_calibrate_writes_a_usable_profile(tmp_path, monkeypatch):
     assert steptime.predict([4096], "scatter", 2, 1e9, 0.01, str(path)).step_s > 0.01
 
 
+def test_calibrate_times_a_bucket_of_members(tmp_path):
+    path = tmp_path / "me.json"
+    prof = calibrate.calibrate(str(path), sizes=(256, 1024, 4096), ranks=(2, 3), compiled=False,
+                               reps=1, name="me", members=16)
+    back = steptime.load_profile(str(path))
+    # the smallest size that gives each of the 16 members a word at least
+    assert back["codec_members"]["members"] == 16 and back["codec_members"]["values"] == 256
+    assert sorted(back["codec_members"]["keys"]) == sorted(steptime.CODEC_KEYS)
+    assert [N for N, _ in back["member_points"]["points"]["finish_auto"]] == [2, 3]
+    assert calibrate.refit(back)["codec_members"] == back["codec_members"]
+    # "auto"'s levels are per member: its encode costs more on the bucket than on one tensor
+    one = {N: s for n, N, s in back["points"]["encode_auto"] if n == 256}
+    assert all(s > one[N] for N, s in back["member_points"]["points"]["encode_auto"])
+    assert "codec_members" not in calibrate.calibrate(None, sizes=(1024,), ranks=(2,), reps=1,
+                                                      compiled=False, members=1)
+    assert prof["codec_members"] == back["codec_members"]
+
+
+def test_member_values():
+    assert calibrate.member_values((4096, 65536), 64) == 4096
+    assert calibrate.member_values((512, 4096, 65536), 64) == 4096
+    assert calibrate.member_values((512, 768), 64) == 768
+
+
+def test_fit_members_recovers_the_cost_per_member():
+    pts = [(n, N, 1e-4 + 2e-5 * N + n * 1e-9) for n in (4096, 65536) for N in (2, 4, 8)]
+    one = {N: s for n, N, s in pts if n == 4096}
+    bucket = {"members": 64, "values": 4096,
+              "points": {"encode": [(N, one[N] + 63 * (3e-6 + 5e-7 * N)) for N in (2, 4, 8)]}}
+    fit = calibrate._fit_members({"encode": pts}, bucket)
+    assert fit["members"] == 64 and fit["values"] == 4096
+    assert fit["keys"]["encode"] == pytest.approx([3e-6, 5e-7], rel=1e-6)
+    # no one-tensor time at the bucket's size and N: said, not guessed
+    with pytest.raises(ValueError, match="one tensor of 1000 values"):
+        calibrate._fit_members({"encode": pts}, dict(bucket, values=1000))
+
+
+def _per_member(prof, m0=4e-6, m1=1e-6):
+    return dict(prof, codec_members={"members": 64, "values": 4096, "keys": {
+        k: [m0 * (2 if k.endswith("auto") else 1), m1] for k in steptime.CODEC_KEYS}})
+
+
+def test_codec_charges_each_member_beyond_the_first():
+    prof = _per_member(CPU)
+    for k in steptime.CODEC_KEYS:
+        one = steptime.codec_s(CPU, k, 5000, 4)
+        assert steptime.codec_s(prof, k, 5000, 4) == pytest.approx(one, rel=1e-12)
+        m0 = 8e-6 if k.endswith("auto") else 4e-6
+        assert steptime.codec_s(prof, k, 5000, 4, members=10) == pytest.approx(
+            one + 9 * (m0 + 4e-6), rel=1e-12)
+        assert steptime.codec_s(CPU, k, 5000, 4, members=10) == one
+    # a model of many small tensors: its buckets' members charged in the step's codec
+    sizes = [300] * 40 + [4096] * 10
+    for m in ("twobit", "auto", "scatter", "scatter_auto"):
+        base = steptime.predict(sizes, m, 4, "1gbit", 0.02, CPU)
+        more = steptime.predict(sizes, m, 4, "1gbit", 0.02, prof)
+        buckets = base.parts["collectives"]
+        calls = 3 if m.startswith("scatter") else 2
+        m0 = 8e-6 if m.endswith("auto") else 4e-6
+        assert more.parts["codec"] - base.parts["codec"] == pytest.approx(
+            calls * (len(sizes) - buckets) * (m0 + 4e-6), rel=1e-9)
+        assert more.step_s > base.step_s
+    for m in ("none", "fp16"):
+        assert steptime.predict(sizes, m, 4, "1gbit", 0.02, prof).step_s == \
+            steptime.predict(sizes, m, 4, "1gbit", 0.02, CPU).step_s
+
+
+def test_costs_per_member_are_checked(tmp_path):
+    path = tmp_path / "bad.json"
+    bad = _per_member(CPU)
+    bad["codec_members"]["keys"]["encode"] = [1e-6]
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="codec_members.*calibrate again"):
+        steptime.load_profile(str(path))
+
+
 def test_calibrate_on_a_gpu_needs_the_wall_clock():
     with pytest.raises(ValueError, match=r"clock=\"wall\" \(--clock wall\)"):
         calibrate.calibrate(None, sizes=(1024,), ranks=(2,), reps=1, device="cuda")
