@@ -86,15 +86,8 @@ def combined(loaded):
     dilation and arguments that shape the models) made one: each (model, method, rate) row at the median of
     its runs' measured figures (:data:`MEASURED`), with each rate's profile from the first run
     that has one. The source names the runs' files."""
-    def cluster(data):
-        a = data.get("args", {})
-        return json.dumps([a.get(k) for k in ("hosts", "cpus_per_host", "dilation", "mlp_hidden",
-                                              "mlp_in", "cnn_channels", "bucket_bytes")])
-    groups = {}
-    for path, data in loaded:
-        groups.setdefault(cluster(data), []).append((path, data))
     out = []
-    for runs in groups.values():
+    for runs in _clusters(loaded):
         by_row = {}
         for _, data in runs:
             for r in data["results"]:
@@ -114,6 +107,52 @@ def combined(loaded):
         out.append((" + ".join(p for p, _ in runs),
                     dict(runs[0][1], results=results, profiles=profiles)))
     return out
+
+
+def _clusters(loaded):
+    """``loaded`` grouped by cluster: lists of the runs of the same hosts, quota, dilation and
+    arguments that shape the models."""
+    def cluster(data):
+        a = data.get("args", {})
+        return json.dumps([a.get(k) for k in ("hosts", "cpus_per_host", "dilation", "mlp_hidden",
+                                              "mlp_in", "cnn_channels", "bucket_bytes")])
+    groups = {}
+    for path, data in loaded:
+        groups.setdefault(cluster(data), []).append((path, data))
+    return list(groups.values())
+
+
+def run_agreement(loaded):
+    """How repeatable the fastest method of a cell is: for every cell (cluster, model, rate)
+    measured in at least two distinct runs (a run whose rows of the cell repeat another's
+    exactly, a copied file, counts once), each run's own fastest method against the fastest of
+    the runs' medians (what :func:`combined` gives). ``{"cells", "runs": (cell, run) pairs,
+    "agree": pairs whose run names the median's fastest, "unanimous": cells where every run
+    names the same}``. A model scored against the medians cannot be checked more finely than
+    the runs agree among themselves."""
+    cells = runs_total = agree = unanimous = 0
+    for runs in _clusters(loaded):
+        by_cell = {}
+        for _, data in runs:
+            rows = {}
+            for r in data["results"]:
+                if not r.get("failed") and r["method"] in EMU_METHODS:
+                    rows.setdefault((r["model"], r["rate"]), {})[r["method"]] = r["real_step_s"]
+            for cell, steps in rows.items():
+                if len(steps) > 1 and steps not in by_cell.setdefault(cell, []):
+                    by_cell[cell].append(steps)
+        for distinct in by_cell.values():
+            if len(distinct) < 2:
+                continue
+            methods = set.intersection(*(set(d) for d in distinct))
+            median = {m: statistics.median(d[m] for d in distinct) for m in methods}
+            best = min(median, key=median.get)
+            alone = [min(methods, key=d.get) for d in distinct]
+            cells += 1
+            runs_total += len(alone)
+            agree += sum(m == best for m in alone)
+            unanimous += len(set(alone)) == 1
+    return {"cells": cells, "runs": runs_total, "agree": agree, "unanimous": unanimous}
 
 
 def _burst(rate, bench_args, burst_bytes=None):
@@ -186,6 +225,13 @@ def main_validate(argv):
     p.add_argument("--json-out", help="also write the rows and summary here")
     args = p.parse_args(argv)
     rows = compare(args.json, args.profile, combine=args.combine)
+    agreement = None
+    if args.combine:
+        loaded = []
+        for path in args.json:
+            with open(path) as f:
+                loaded.append((path, json.load(f)))
+        agreement = run_agreement(loaded)
     print("| source | N | rate | model | method | measured (s) | predicted (s) | error | "
           "model's bound | codec measured / predicted (ms) | spread (ms) |")
     print("|---|---:|---|---|---|---:|---:|---:|---|---:|---:|")
@@ -212,7 +258,12 @@ def main_validate(argv):
               "of %d cells (%.1f methods named per cell)" % (
                   round(100 * steptime.CLOSE_CALL), s["close_call_hits"], s["cells"],
                   s["close_call_size"] or 0))
+    if agreement and agreement["cells"]:
+        print("how repeatable the cells are: each run alone names the fastest method of the "
+              "runs' medians in %d of %d (cell, run) pairs; every run names the same in %d of "
+              "%d cells" % (agreement["agree"], agreement["runs"], agreement["unanimous"],
+                            agreement["cells"]))
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"rows": rows, "summary": s}, f, indent=1)
+            json.dump({"rows": rows, "summary": s, "run_agreement": agreement}, f, indent=1)
     return 0

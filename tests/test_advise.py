@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from horovod_twobit import advise, steptime
+from horovod_twobit import advise, steptime, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,8 +149,34 @@ def test_runs_of_a_cluster_combine_at_their_median(tmp_path):
         ("1gbit", "measured-1g"), ("1gbit", "measured-1g")]
 
 
+def test_run_agreement_counts_how_often_single_runs_name_the_medians_fastest(tmp_path):
+    """Cell "a": runs name twobit, none, none (medians: none fastest): 2 of 3 agree. Cell "b":
+    every run names scatter. A copied run (the same rows of a cell) counts once; a cell in one
+    run only, or of one method, is not a cell; other clusters are their own."""
+    steps = [{"a": (0.33, 0.32, 0.40), "b": (0.5, 0.6, 0.2)},
+             {"a": (0.30, 0.31, 0.40), "b": (0.5, 0.6, 0.3)},
+             {"a": (0.29, 0.33, 0.40), "b": (0.5, 0.6, 0.1)}]
+    runs = [[_row(m, meth, x) for m, xs in run.items()
+             for meth, x in zip(("none", "twobit", "scatter"), xs)] for run in steps]
+    runs[0].append(_row("c", "none", 0.1))           # one method: no cell
+    runs[0] += [_row("d", "none", 0.2), _row("d", "twobit", 0.1)]  # in one run only
+    paths = [_bench_json(tmp_path / ("r%d.json" % i), rs) for i, rs in enumerate(runs)]
+    copy = _bench_json(tmp_path / "copy.json", runs[2])
+    other = _bench_json(tmp_path / "h8.json", runs[0], hosts=8)
+    load = lambda ps: [(p, json.loads(open(p).read())) for p in ps]  # noqa: E731
+    got = validate.run_agreement(load(paths + [copy, other]))
+    assert got == {"cells": 2, "runs": 6, "agree": 5, "unanimous": 1}
+    assert validate.run_agreement(load([paths[0], copy, other])) == {
+        "cells": 2, "runs": 4, "agree": 3, "unanimous": 1}
+    # a run and its copy, or one run of each cluster: no cell
+    copy0 = _bench_json(tmp_path / "copy0.json", runs[0])
+    assert validate.run_agreement(load([paths[0], copy0]))["cells"] == 0
+    assert validate.run_agreement(load([paths[0], other]))["cells"] == 0
+
+
 def test_validate_cli_on_bench_output(tmp_path):
-    rows = [_row("mlp", m, 0.05, 0.01) for m in ("none", "twobit", "scatter")]
+    rows = [_row("mlp", m, x, 0.01) for m, x in (("none", 0.04), ("twobit", 0.05),
+                                                   ("scatter", 0.05))]
     path = tmp_path / "bench_cluster.json"
     path.write_text(json.dumps({"args": {"hosts": 2, "mlp_hidden": 64, "mlp_in": 32},
                                 "results": rows}))
@@ -161,6 +187,19 @@ def test_validate_cli_on_bench_output(tmp_path):
     assert "rows 3: median |error|" in out.stdout
     v = json.loads((tmp_path / "v.json").read_text())
     assert len(v["rows"]) == 3 and v["rows"][0]["model"] == "mlp"
+    assert v["run_agreement"] is None and "how repeatable" not in out.stdout
+    # two runs combined: the runs' agreement on the fastest method is printed and written
+    again = tmp_path / "again.json"
+    again.write_text(json.dumps({"args": {"hosts": 2, "mlp_hidden": 64, "mlp_in": 32},
+                                 "results": [dict(r, real_step_s=x) for r, x in
+                                             zip(rows, (0.06, 0.03, 0.06))]}))
+    out = subprocess.run([sys.executable, "-m", "horovod_twobit.advise", "validate", str(path),
+                          str(again), "--combine", "--json-out", str(tmp_path / "v.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "every run names the same in 0 of 1 cells" in out.stdout
+    v = json.loads((tmp_path / "v.json").read_text())
+    assert v["run_agreement"] == {"cells": 1, "runs": 2, "agree": 1, "unanimous": 0}
 
 
 def test_compare_reports_the_parts_the_model_lacks(tmp_path):
