@@ -360,4 +360,9 @@ def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
     assert all(v[0] >= 0 and v[1] >= 0 for v in prof["framework_s"].values())
     for k in steptime.CODEC_KEYS:
         assert steptime.codec_s(prof, k, 65536, 2) > 0
+    # every host timed a bucket of 64 members (of 256 values: the smallest size, 16 K): the
+    # hosts' median cost per member, for every codec call
+    assert prof["codec_members"]["members"] == 64 and prof["codec_members"]["values"] == 16384
+    assert sorted(prof["codec_members"]["keys"]) == sorted(steptime.CODEC_KEYS)
+    assert [N for N, _ in prof["member_points"]["points"]["encode_auto"]] == [2, 4, 8]
     assert "calibrated 2 hosts" in proc.stdout
