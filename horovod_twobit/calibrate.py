@@ -286,7 +286,7 @@ def _fit_members(points, bucket):
             raise ValueError("the bucket of %d members was timed at N = %s, one tensor of %d "
                              "values at none of them" % (M, [N for N, _ in timed], n))
         A = np.array([[1.0, N] for N, _ in at])
-        keys[key] = [max(0.0, c) for c in _nonneg_lstsq(A, np.array([d for _, d in at]))]
+        keys[key] = _nonneg_lstsq(A, np.array([d for _, d in at]))
     return {"members": M, "values": n, "keys": keys}
 
 

@@ -51,8 +51,9 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
                                       for m, secs in p["member_points"]["points"][k] if m == N))
                 for N, _ in v] for k, v in first["points"].items()})
     prof = {k: v for k, v in profs[0].items() if k not in ("member_points", "codec_members")}
-    prof = refit(dict(prof, name=name, points=points, **({"member_points": bucket} if bucket
-                                                          else {})))
+    if bucket:
+        prof["member_points"] = bucket
+    prof = refit(dict(prof, name=name, points=points))
     for k, v in profs[0].items():
         if k.endswith("_s") or k.endswith("_per_byte"):
             prof[k] = statistics.median(p[k] for p in profs)
