@@ -250,21 +250,35 @@ def test_calibrate_writes_a_usable_profile(tmp_path, monkeypatch):
     assert steptime.predict([4096], "scatter", 2, 1e9, 0.01, str(path)).step_s > 0.01
 
 
-def test_calibrate_times_a_bucket_of_members(tmp_path):
+def test_calibrate_times_a_bucket_of_members(tmp_path, monkeypatch):
+    timed, time_codec = [], calibrate._time_codec
+
+    def recording(n, N, reps, timer=None, device="cpu", members=1):
+        timed.append((n, N, members))
+        return time_codec(n, N, reps, timer, device, members)
+    monkeypatch.setattr(calibrate, "_time_codec", recording)
     path = tmp_path / "me.json"
     prof = calibrate.calibrate(str(path), sizes=(256, 1024, 4096), ranks=(2, 3), compiled=False,
                                reps=1, name="me", members=16)
+    # every size as one tensor, then a bucket of 16 members at the smallest size that gives each
+    # member a word at least, at every N
+    assert timed == [(n, N, 1) for n in (256, 1024, 4096) for N in (2, 3)] + [(256, 2, 16),
+                                                                            (256, 3, 16)]
     back = steptime.load_profile(str(path))
-    # the smallest size that gives each of the 16 members a word at least
     assert back["codec_members"]["members"] == 16 and back["codec_members"]["values"] == 256
     assert sorted(back["codec_members"]["keys"]) == sorted(steptime.CODEC_KEYS)
     assert [N for N, _ in back["member_points"]["points"]["finish_auto"]] == [2, 3]
+    assert all(s > 0 for v in back["member_points"]["points"].values() for _, s in v)
+    # the cost per member is the fit of the timed points, and what the profile charges
+    assert back["codec_members"] == calibrate._fit_members(back["points"], back["member_points"])
     assert calibrate.refit(back)["codec_members"] == back["codec_members"]
-    # "auto"'s levels are per member: its encode costs more on the bucket than on one tensor
-    one = {N: s for n, N, s in back["points"]["encode_auto"] if n == 256}
-    assert all(s > one[N] for N, s in back["member_points"]["points"]["encode_auto"])
+    m0, m1 = back["codec_members"]["keys"]["encode_auto"]
+    assert steptime.codec_s(back, "encode_auto", 256, 3, members=16) == pytest.approx(
+        steptime.codec_s(back, "encode_auto", 256, 3) + 15 * (m0 + 3 * m1), rel=1e-12)
+    timed.clear()
     assert "codec_members" not in calibrate.calibrate(None, sizes=(1024,), ranks=(2,), reps=1,
                                                       compiled=False, members=1)
+    assert timed == [(1024, 2, 1)]
     assert prof["codec_members"] == back["codec_members"]
 
 
