@@ -44,10 +44,7 @@ def compare(paths, profile=None, sizes_of=None, **kw):
     fixed = steptime.load_profile(profile) if profile is not None else None
     cpu = steptime.load_profile("cpu")  # for rows without a measured profile
     rows, cache = [], {}
-    loaded = []
-    for path in paths:
-        with open(path) as f:
-            loaded.append((path, json.load(f)))
+    loaded = load(paths)
     if kw.get("combine"):
         loaded = combined(loaded)
     for path, data in loaded:
@@ -79,6 +76,15 @@ def compare(paths, profile=None, sizes_of=None, **kw):
 
 
 MEASURED = ("real_step_s", "compute_s", "codec_s", "wait_s", "cpu_step_s")
+
+
+def load(paths):
+    """``[(path, bench_cluster JSON)]`` of ``paths``."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            out.append((path, json.load(f)))
+    return out
 
 
 def combined(loaded):
@@ -225,13 +231,7 @@ def main_validate(argv):
     p.add_argument("--json-out", help="also write the rows and summary here")
     args = p.parse_args(argv)
     rows = compare(args.json, args.profile, combine=args.combine)
-    agreement = None
-    if args.combine:
-        loaded = []
-        for path in args.json:
-            with open(path) as f:
-                loaded.append((path, json.load(f)))
-        agreement = run_agreement(loaded)
+    agreement = run_agreement(load(args.json)) if args.combine else None
     print("| source | N | rate | model | method | measured (s) | predicted (s) | error | "
           "model's bound | codec measured / predicted (ms) | spread (ms) |")
     print("|---|---:|---|---|---|---:|---:|---:|---|---:|---:|")
