@@ -201,6 +201,9 @@ def run_job(c, args, model, methods, rate, log):
         rows.append({"model": model, "method": m, "rate": rate, "failed": False,
                      "params": ranks[0]["params"], "median_step_s": statistics.median(step_max),
                      "real_step_s": statistics.median(step_max) / d, "dilation": d,
+                     # every timed step in real-host seconds, in the order they ran: the
+                     # methods of a job take turns step by step, so step i of two methods pairs
+                     "step_s": [t / d for t in step_max],
                      "cpus_per_host": c.cpus_per_host,
                      # DDP communicates inside backward: its parts cannot be told apart here
                      "compute_s": per_host(per_rank, "compute") if m in HOROVOD_METHODS else None,

@@ -312,6 +312,7 @@ def test_cluster_benchmark_reports_every_method(tmp_path):
         assert r["cpus_per_host"] == pytest.approx(q)
         assert r["dilation"] == pytest.approx(1 / q if q else 1)
         assert r["real_step_s"] == pytest.approx(r["median_step_s"] / r["dilation"])
+        assert len(r["step_s"]) == 3 and r["real_step_s"] == pytest.approx(sorted(r["step_s"])[1])
     # per host and step: compute, codec (TwoBit's alone), waiting
     assert rows["none"]["codec_s"] == 0 and rows["twobit"]["codec_s"] > 0
     for m in ("none", "twobit"):
