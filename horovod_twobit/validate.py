@@ -12,8 +12,9 @@ import statistics
 import sys
 
 from . import steptime
-
-EMU_METHODS = ("none", "fp16", "twobit", "auto", "scatter", "scatter_auto")
+from .repeatability import (EMU_METHODS, MEASURABLE, measurably_slower, paired,  # noqa: F401
+                            run_agreement)
+from .repeatability import clusters as _clusters
 
 
 def bench_sizes(model, bench_args):
@@ -71,11 +72,17 @@ def compare(paths, profile=None, sizes_of=None, **kw):
                          "profile": prof.get("name"),
                          "predicted_s": p.step_s, "error": p.step_s / r["real_step_s"] - 1,
                          "bound": p.parts["bound"], "cpus_per_host": r.get("cpus_per_host"),
-                         "dilation": r.get("dilation"), **_parts_against(r, p)})
+                         "dilation": r.get("dilation"), **_parts_against(r, p),
+                         "steps_by_run": r.get("steps_by_run", _steps_by_run([(path, r)]))})
     return rows
 
 
 MEASURED = ("real_step_s", "compute_s", "codec_s", "wait_s", "cpu_step_s")
+
+
+def _steps_by_run(pairs):
+    """``{run's file: its timed steps}`` of a row's ``[(file, row)]`` that kept them."""
+    return {path: r["step_s"] for path, r in pairs if r.get("step_s")}
 
 
 def load(paths):
@@ -95,13 +102,14 @@ def combined(loaded):
     out = []
     for runs in _clusters(loaded):
         by_row = {}
-        for _, data in runs:
+        for path, data in runs:
             for r in data["results"]:
                 if not r.get("failed"):
-                    by_row.setdefault((r["model"], r["method"], r["rate"]), []).append(r)
+                    by_row.setdefault((r["model"], r["method"], r["rate"]), []).append((path, r))
         results = []
-        for same in by_row.values():
-            r = dict(same[0], runs=len(same))
+        for pairs in by_row.values():
+            same = [r for _, r in pairs]
+            r = dict(same[0], runs=len(same), steps_by_run=_steps_by_run(pairs))
             for k in MEASURED:
                 xs = [x[k] for x in same if x.get(k) is not None]
                 r[k] = statistics.median(xs) if xs else None
@@ -113,52 +121,6 @@ def combined(loaded):
         out.append((" + ".join(p for p, _ in runs),
                     dict(runs[0][1], results=results, profiles=profiles)))
     return out
-
-
-def _clusters(loaded):
-    """``loaded`` grouped by cluster: lists of the runs of the same hosts, quota, dilation and
-    arguments that shape the models."""
-    def cluster(data):
-        a = data.get("args", {})
-        return json.dumps([a.get(k) for k in ("hosts", "cpus_per_host", "dilation", "mlp_hidden",
-                                              "mlp_in", "cnn_channels", "bucket_bytes")])
-    groups = {}
-    for path, data in loaded:
-        groups.setdefault(cluster(data), []).append((path, data))
-    return list(groups.values())
-
-
-def run_agreement(loaded):
-    """How repeatable the fastest method of a cell is: for every cell (cluster, model, rate)
-    measured in at least two distinct runs (a run whose rows of the cell repeat another's
-    exactly, a copied file, counts once), each run's own fastest method against the fastest of
-    the runs' medians (what :func:`combined` gives). ``{"cells", "runs": (cell, run) pairs,
-    "agree": pairs whose run names the median's fastest, "unanimous": cells where every run
-    names the same}``. A model scored against the medians cannot be checked more finely than
-    the runs agree among themselves."""
-    cells = runs_total = agree = unanimous = 0
-    for runs in _clusters(loaded):
-        by_cell = {}
-        for _, data in runs:
-            rows = {}
-            for r in data["results"]:
-                if not r.get("failed") and r["method"] in EMU_METHODS:
-                    rows.setdefault((r["model"], r["rate"]), {})[r["method"]] = r["real_step_s"]
-            for cell, steps in rows.items():
-                if len(steps) > 1 and steps not in by_cell.setdefault(cell, []):
-                    by_cell[cell].append(steps)
-        for distinct in by_cell.values():
-            if len(distinct) < 2:
-                continue
-            methods = set.intersection(*(set(d) for d in distinct))
-            median = {m: statistics.median(d[m] for d in distinct) for m in methods}
-            best = min(median, key=median.get)
-            alone = [min(methods, key=d.get) for d in distinct]
-            cells += 1
-            runs_total += len(alone)
-            agree += sum(m == best for m in alone)
-            unanimous += len(set(alone)) == 1
-    return {"cells": cells, "runs": runs_total, "agree": agree, "unanimous": unanimous}
 
 
 def _burst(rate, bench_args, burst_bytes=None):
@@ -188,7 +150,10 @@ def summary(rows):
     (``pick_loss``: median and worst over the cells; ``misses``: the cells it gets wrong); and
     how often the measured fastest is among the methods the advisor names as too close to call
     (:func:`steptime.close_calls` of the predicted steps; ``close_call_hits``, with the mean
-    number of methods it names per cell, ``close_call_size``)."""
+    number of methods it names per cell, ``close_call_size``). Each miss has ``paired``: the
+    pick against the fastest over the steps they ran side by side (:func:`repeatability.paired`,
+    None where the rows kept no steps); ``measurable_misses`` counts the misses whose pick is
+    measurably slower, ``untold_misses`` those without steps to tell."""
     errs = [abs(r["error"]) for r in rows]
     cells = {}
     for r in rows:
@@ -207,12 +172,16 @@ def summary(rows):
         if not hits[-1]:
             misses.append({"hosts": best["hosts"], "rate": best["rate"], "model": best["model"],
                            "fastest": best["method"], "picked": pick["method"],
-                           "pick_loss": losses[-1]})
+                           "pick_loss": losses[-1],
+                           "paired": paired(pick.get("steps_by_run", {}),
+                                            best.get("steps_by_run", {}))})
     return {"rows": len(rows), "median_abs_error": statistics.median(errs) if errs else None,
             "worst_abs_error": max(errs) if errs else None, "cells": len(hits),
             "fastest_hits": sum(hits), "fastest_hit_rate": sum(hits) / len(hits) if hits else None,
             "median_pick_loss": statistics.median(losses) if losses else None,
             "worst_pick_loss": max(losses) if losses else None, "misses": misses,
+            "measurable_misses": sum(measurably_slower(m["paired"]) is True for m in misses),
+            "untold_misses": sum(m["paired"] is None for m in misses),
             "close_call_hits": sum(close_hits),
             "close_call_size": statistics.mean(close_sizes) if close_sizes else None}
 
@@ -254,6 +223,16 @@ def main_validate(argv):
                       "%s %d hosts %s: %s for %s, +%.1f %%" % (
                           m["model"], m["hosts"], m["rate"], m["picked"], m["fastest"],
                           100 * m["pick_loss"]) for m in s["misses"]))
+            told = [m for m in s["misses"] if m["paired"]]
+            print("of the %d cells it misses, %d pick a method measurably slower than the fastest "
+                  "(a one-sided sign test over the steps the two ran side by side, p < %g)%s%s" % (
+                      len(s["misses"]), s["measurable_misses"], MEASURABLE,
+                      "; %d kept no steps to tell" % s["untold_misses"] if s["untold_misses"]
+                      else "", ": " + ", ".join(
+                          "%s %d hosts %s slower in %d of %d steps (p %.2g)" % (
+                              m["model"], m["hosts"], m["rate"], m["paired"]["slower"],
+                              m["paired"]["steps"], m["paired"]["p"]) for m in told)
+                      if told else ""))
         print("the measured fastest is among the methods within %d %% of the model's pick in %d "
               "of %d cells (%.1f methods named per cell)" % (
                   round(100 * steptime.CLOSE_CALL), s["close_call_hits"], s["cells"],
