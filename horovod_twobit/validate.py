@@ -80,6 +80,18 @@ def compare(paths, profile=None, sizes_of=None, **kw):
 MEASURED = ("real_step_s", "compute_s", "codec_s", "wait_s", "cpu_step_s")
 
 
+def _distinct(pairs):
+    """``[(file, row)]`` less the rows whose measured figures repeat an earlier one's exactly (a
+    copied run's: it counts once, as in :func:`run_agreement`)."""
+    out, seen = [], []
+    for path, r in pairs:
+        key = [r.get(k) for k in MEASURED + ("step_s",)]
+        if key not in seen:
+            seen.append(key)
+            out.append((path, r))
+    return out
+
+
 def _steps_by_run(pairs):
     """``{run's file: its timed steps}`` of a row's ``[(file, row)]`` that kept them."""
     return {path: r["step_s"] for path, r in pairs if r.get("step_s")}
@@ -97,7 +109,8 @@ def load(paths):
 def combined(loaded):
     """``[(source, bench_cluster JSON)]`` with the runs of one cluster (the same hosts, quota,
     dilation and arguments that shape the models) made one: each (model, method, rate) row at the median of
-    its runs' measured figures (:data:`MEASURED`), with each rate's profile from the first run
+    its runs' measured figures (:data:`MEASURED`; a row copied into another run counts once),
+    with each rate's profile from the first run
     that has one, and ``steps_by_run``: each run's timed steps (``step_s``) by its file, where
     it kept them. The source names the runs' files."""
     out = []
@@ -109,6 +122,7 @@ def combined(loaded):
                     by_row.setdefault((r["model"], r["method"], r["rate"]), []).append((path, r))
         results = []
         for pairs in by_row.values():
+            pairs = _distinct(pairs)
             same = [r for _, r in pairs]
             r = dict(same[0], runs=len(same), steps_by_run=_steps_by_run(pairs))
             for k in MEASURED:

@@ -125,8 +125,10 @@ def test_runs_of_a_cluster_combine_at_their_median(tmp_path):
         rs[1]["codec_s"] = codec
     paths = [_bench_json(tmp_path / ("r%d.json" % i), rs) for i, rs in enumerate(runs)]
     other = _bench_json(tmp_path / "h8.json", [_row("m", "none", 0.5)], hosts=8)
-    got = advise.compare(paths + [other], "cpu", sizes_of=lambda model, args: sizes[model],
-                         combine=True)
+    # two copies of run 1 (0.30, the lowest) would make it the median: a copy counts once
+    copies = [_bench_json(tmp_path / ("copy%d.json" % i), runs[0]) for i in range(2)]
+    got = advise.compare(paths + copies + [other], "cpu",
+                         sizes_of=lambda model, args: sizes[model], combine=True)
     by = {(r["hosts"], r["method"]): r for r in got}
     assert len(got) == 3 and by[(8, "none")]["measured_s"] == 0.5
     assert by[(4, "none")]["measured_s"] == pytest.approx(0.31)
