@@ -108,11 +108,11 @@ def load(paths):
 
 def combined(loaded):
     """``[(source, bench_cluster JSON)]`` with the runs of one cluster (the same hosts, quota,
-    dilation and arguments that shape the models) made one: each (model, method, rate) row at the median of
-    its runs' measured figures (:data:`MEASURED`; a row copied into another run counts once),
-    with each rate's profile from the first run
-    that has one, and ``steps_by_run``: each run's timed steps (``step_s``) by its file, where
-    it kept them. The source names the runs' files."""
+    dilation and arguments that shape the models) made one: each (model, method, rate) row at
+    the median of its runs' measured figures (:data:`MEASURED`; a row copied into another run
+    counts once) and with ``steps_by_run``, each run's timed steps (``step_s``) by its file
+    where it kept them; each rate's profile from the first run that has one. The source names
+    the runs' files."""
     out = []
     for runs in _clusters(loaded):
         by_row = {}
