@@ -238,16 +238,15 @@ def main_validate(argv):
                       "%s %d hosts %s: %s for %s, +%.1f %%" % (
                           m["model"], m["hosts"], m["rate"], m["picked"], m["fastest"],
                           100 * m["pick_loss"]) for m in s["misses"]))
-            told = [m for m in s["misses"] if m["paired"]]
-            print("of the %d cells it misses, %d pick a method measurably slower than the fastest "
-                  "(a one-sided sign test over the steps the two ran side by side, p < %g)%s%s" % (
-                      len(s["misses"]), s["measurable_misses"], MEASURABLE,
-                      "; %d kept no steps to tell" % s["untold_misses"] if s["untold_misses"]
-                      else "", ": " + ", ".join(
-                          "%s %d hosts %s slower in %d of %d steps (p %.2g)" % (
-                              m["model"], m["hosts"], m["rate"], m["paired"]["slower"],
-                              m["paired"]["steps"], m["paired"]["p"]) for m in told)
-                      if told else ""))
+            told = ["%s %d hosts %s slower in %d of %d steps (p %.2g)" % (
+                m["model"], m["hosts"], m["rate"], m["paired"]["slower"], m["paired"]["steps"],
+                m["paired"]["p"]) for m in s["misses"] if m["paired"]]
+            line = ("of the %d cells it misses, %d pick a method measurably slower than the "
+                    "fastest (a one-sided sign test over the steps the two ran side by side, "
+                    "p < %g)" % (len(s["misses"]), s["measurable_misses"], MEASURABLE))
+            if s["untold_misses"]:
+                line += "; %d kept no steps to tell" % s["untold_misses"]
+            print(line + (": " + ", ".join(told) if told else ""))
         print("the measured fastest is among the methods within %d %% of the model's pick in %d "
               "of %d cells (%.1f methods named per cell)" % (
                   round(100 * steptime.CLOSE_CALL), s["close_call_hits"], s["cells"],
