@@ -139,9 +139,9 @@ def main_predict(argv):
     p.add_argument("--rate", default="25gbit", help="link rate per worker (e.g. 25gbit, 100mbit)")
     p.add_argument("--latency", default="25us", help="link latency per message (default "
                                                      "%(default)s)")
-    p.add_argument("--profile", default="cpu", help="cpu, h200 (measured), h100-bound, a100-bound, "
-                                                    "v100-bound, or a JSON file (default "
-                                                    "%(default)s)")
+    p.add_argument("--profile", default="cpu", help="cpu, h200, h100 (measured), h100-bound, "
+                                                    "a100-bound, v100-bound, or a JSON file "
+                                                    "(default %(default)s)")
     p.add_argument("--methods", default=",".join(steptime.METHODS))
     p.add_argument("--cycle", default="1ms", help="HOROVOD_CYCLE_TIME (default %(default)s)")
     p.add_argument("--collective-cost", help="fixed cost of each collective beyond its messages "

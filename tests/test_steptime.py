@@ -65,6 +65,11 @@ def test_profiles_are_labelled():
     h200 = steptime.load_profile("h200")  # measured on a GPU, not a bound
     assert h200["kind"] == "measured" and not h200["serial"] and "NVIDIA H200" in h200["source"]
     assert "h200" in steptime.profile_names()
+    h100 = steptime.load_profile("h100")  # measured with the cost per member of a bucket
+    assert h100["kind"] == "measured" and not h100["serial"] and "NVIDIA H100" in h100["source"]
+    assert h100["codec_members"]["members"] > 1 and set(h100["codec_members"]["keys"]) == set(
+        h100["codec"])
+    assert "h100" in steptime.profile_names() and "h100-bound" in steptime.profile_names()
     with pytest.raises(ValueError, match="no profile"):
         steptime.load_profile("no-such-device")
 
