@@ -240,6 +240,12 @@ def main_calibrate(argv):
     p.add_argument("--members", type=int, default=calibrate.MEMBERS,
                    help="time a bucket of this many members too, for the cost per member "
                         "(default %(default)s; 1: not timed)")
+    p.add_argument("--tables", type=int, default=calibrate.TABLES,
+                   help='time an "auto" bucket of this many tables of segments too, for the '
+                        "cost per table (default %(default)s; 1: not timed)")
+    p.add_argument("--segment-values", type=int, default=calibrate.SEGMENT_VALUES,
+                   help='time an "auto" tensor of this many values in blocks of 64 too, for '
+                        "the cost per segment (default %(default)s; 0: not timed)")
     p.add_argument("--ranks", default="2,4,8")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--eager", action="store_true", help="time the uncompiled codec")
@@ -260,7 +266,8 @@ def main_calibrate(argv):
                                threads=args.threads, compiled=not args.eager, reps=args.reps,
                                name=args.name, dilation=args.dilation, device=args.device,
                                clock=args.clock or ("cpu" if args.device == "cpu" else "wall"),
-                               members=args.members)
+                               members=args.members, tables=args.tables,
+                               segment_values=args.segment_values)
     print("wrote %s" % args.out)
     for k in steptime.CODEC_KEYS:
         c0, c1, a, b = prof["codec"][k]
@@ -279,6 +286,13 @@ def main_calibrate(argv):
         for k in steptime.CODEC_KEYS:
             m0, m1 = cm["keys"][k]
             print("  %-20s %.3g + %.3g x N" % (k, m0 * 1e6, m1 * 1e6))
+    for entry, what in (("codec_tables", 'per table of an "auto" bucket\'s segments beyond '
+                                          "the first"),
+                        ("codec_segments", 'per "auto" segment beyond one tensor\'s')):
+        if prof.get(entry):
+            print("%s, us:" % what)
+            for k, (u0, u1) in sorted(prof[entry]["keys"].items()):
+                print("  %-20s %.3g + %.3g x N" % (k, u0 * 1e6, u1 * 1e6))
     for k in ("sum_fp32_s", "sum_fp16_s", "cast_fp16_s", "copy_s_per_byte", "optimizer_s",
               "kernel_s_per_byte", "message_s"):
         print("  %-20s %.3g" % (k, prof[k]))

@@ -11,23 +11,35 @@ import os
 
 from . import layout as _layout
 from . import scatter_wire as _sw
+from . import wire as _wire
+from .codec_fit import (_fit, _fit_by_size, _fit_members, _fit_segments,  # noqa: F401
+                        _fit_tables, _nonneg_lstsq, refit)
 from .steptime import CODEC_KEYS
 
 
 SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 MEMBERS = 64  # the bucket whose members' cost is timed: this many members
+TABLES = 3  # the "auto" bucket whose cost per table of segments is timed: this many tables
+SEGMENT_VALUES = 1 << 16  # the "auto" tensor whose cost per segment is timed: this many values
 
 
 def calibrate(path=None, sizes=SIZES, ranks=(2, 4, 8), threads=1, compiled=True,
               reps=5, name="cpu", clock="cpu", dilation=1.0, min_wall_s=0.25, device="cpu",
-              members=MEMBERS):
+              members=MEMBERS, tables=TABLES, segment_values=SEGMENT_VALUES):
     """Measures this machine's codec rates with the project's own codec functions (PyTorch,
-    ``threads`` threads, the compiled path unless ``compiled=False``; the ones
+    ``threads`` threads; as a step runs them: eager below the codec's switch to its compiled
+    bodies, ``COMPILE_MIN_NUMEL`` values, compiled from there, a size just below the switch
+    timed too where ``sizes`` straddle it (:func:`timed_sizes`); every size eager with
+    ``compiled=False``; the ones
     ``horovod_twobit.benchmarks.codec`` times, plus the "auto" and scatter ones) and the costs the
     model takes per value (sums, copies, casts, the optimizer, the kernel's TCP work per byte, the
     software latency of a message). Each codec call is fitted as ``c0 + c1 N + n (a + b N)`` from
     the sizes and rank counts timed, and by size (:func:`_fit_by_size`); its cost per member of
-    a bucket from a bucket of ``members`` members (:func:`_fit_members`; 0 or 1: not timed).
+    a bucket from a bucket of ``members`` members (:func:`_fit_members`; 0 or 1: not timed);
+    an "auto" call's cost per table of segments from a bucket of ``tables`` tables against its
+    twin of one (:func:`table_numels`, :func:`_fit_tables`; 0 or 1: not timed); and its cost
+    per segment from one tensor of ``segment_values`` values in blocks of 64 against the same
+    tensor as the compressor cuts it (:func:`_fit_segments`; 0: not timed).
     Returns the profile and writes it to ``path`` (JSON).
 
     ``clock``: "cpu" (default) times each call in this process's CPU seconds, what one core of a
@@ -51,10 +63,16 @@ def calibrate(path=None, sizes=SIZES, ranks=(2, 4, 8), threads=1, compiled=True,
         raise ValueError("this torch sees no CUDA device (torch.cuda.is_available() is False): "
                          "calibrate on the GPU host with a CUDA build of torch, or with "
                          "--device cpu")
+    if segment_values and int(segment_values) <= 64 * 64:
+        raise ValueError("segment_values must be more than 4096 (the compressor cuts a tensor "
+                         "of up to 4096 values into blocks of 64 already), e.g. %d; 0: not timed, "
+                         "got %r" % (SEGMENT_VALUES, segment_values))
     timer = _Timer(clock, dilation, min_wall_s, device)
     torch.set_num_threads(threads)
     old = bodies.COMPILE_MIN_NUMEL
-    bodies.COMPILE_MIN_NUMEL = 0 if compiled else 1 << 62
+    if not compiled:
+        bodies.COMPILE_MIN_NUMEL = 1 << 62
+    sizes = timed_sizes(sizes, bodies.COMPILE_MIN_NUMEL)
     try:
         points = {k: [] for k in CODEC_KEYS}
         for n in sizes:
@@ -72,24 +90,51 @@ def calibrate(path=None, sizes=SIZES, ranks=(2, 4, 8), threads=1, compiled=True,
                 for key, secs in _time_codec(n, int(N), reps, timer, device,
                                              int(members)).items():
                     bucket["points"][key].append((int(N), secs))
+        by_table = None
+        if tables and int(tables) > 1:
+            distinct, equal = table_numels(int(tables))
+            by_table = {"tables": int(tables), "numels": distinct, "points": {}}
+            for N in ranks:
+                a, b = (_time_codec(0, int(N), reps, timer, device, numels=numels, autos=(True,))
+                        for numels in (distinct, equal))
+                for key in a:
+                    by_table["points"].setdefault(key, []).append((int(N), a[key], b[key]))
+        by_segment = None
+        if segment_values:
+            n, cuts = int(segment_values), ((64, None), _wire.validate_blocks("auto"))
+            by_segment = {"values": n, "segments": [
+                _layout.Layout([n], True, *c).segments for c in cuts], "points": {}}
+            for N in ranks:
+                a, b = (_time_codec(0, int(N), reps, timer, device, numels=[n], autos=(True,),
+                                    blocks=c) for c in cuts)
+                for key in a:
+                    by_segment["points"].setdefault(key, []).append((int(N), a[key], b[key]))
         per = _time_per_value(1 << 22, reps, timer, device)
     finally:
         bodies.COMPILE_MIN_NUMEL = old
     gpu = device.type != "cpu"
     prof = {"name": name, "kind": "measured", "serial": not gpu,
-            "source": "python -m horovod_twobit.advise calibrate on %s (%s, %d thread(s), %s "
-                      "codec, torch %s, %s)" % (platform.node() or "?",
-                                               torch.cuda.get_device_name(device) if gpu
-                                               else _cpu_name(), threads,
-                                               "compiled" if compiled else "eager",
-                                               torch.__version__, _clock_name(clock, dilation)),
+            "source": "python -m horovod_twobit.advise calibrate on %s (%s, %d thread(s), %s, "
+                      "torch %s, %s)" % (platform.node() or "?",
+                                         torch.cuda.get_device_name(device) if gpu
+                                         else _cpu_name(), threads,
+                                         "codec compiled from %d values, eager below" % old
+                                         if compiled else "eager codec",
+                                         torch.__version__, _clock_name(clock, dilation)),
             "note": ("the codec on one %s device; the network figures are its host's TCP"
                      % device.type if gpu else
                      "one host = one core doing compute, codec and the exchange's CPU work"),
-            "codec": codec, "codec_by_size": by_size, "points": points}
+            "codec": codec, "codec_by_size": by_size, "points": points,
+            "compile_min_numel": old if compiled else None}
     if bucket:
         prof["member_points"] = bucket
         prof["codec_members"] = _fit_members(points, bucket)
+    if by_table:
+        prof["table_points"] = by_table
+        prof["codec_tables"] = _fit_tables(by_table)
+    if by_segment:
+        prof["segment_points"] = by_segment
+        prof["codec_segments"] = _fit_segments(by_segment)
     prof.update(per)
     prof.update(_time_network(nbytes=(64 << 20) if clock == "cpu" else (256 << 20), timer=timer,
                               dilation=dilation if clock == "wall" else 1.0))
@@ -182,21 +227,49 @@ def member_values(sizes, members):
     return fit[0] if fit else int(max(sizes))
 
 
-def _time_codec(n, N, reps, timer=None, device="cpu", members=1):
+def timed_sizes(sizes, switch):
+    """``sizes`` (ascending, no repeats) and, where they straddle ``switch`` (the codec's
+    ``COMPILE_MIN_NUMEL``: eager below it, compiled from it), the largest size of whole words
+    below it, so that the rates by size (:func:`_fit_by_size`) step where the codec does
+    rather than blend its eager and compiled rates in between."""
+    sizes = sorted({int(n) for n in sizes})
+    below = (int(switch) - 1) // 16 * 16
+    if below > 0 and sizes[0] < switch <= sizes[-1] and below not in sizes:
+        sizes = sorted(sizes + [below])
+    return sizes
+
+
+def table_numels(tables):
+    """(distinct, equal): the members of a bucket whose "auto" segments (the compressor's
+    blocks, :func:`horovod_twobit.wire.validate_blocks`) make ``tables`` tables
+    (:meth:`horovod_twobit.layout.Layout.tables`), and its twin of one table: as many members, of
+    one length, as many values. Member j is 64 blocks of 64 x 4^j values: rows too far apart in
+    length to share a table."""
+    distinct = [64 * 64 * 4 ** j for j in range(int(tables))]
+    return distinct, [sum(distinct) // len(distinct)] * len(distinct)
+
+
+def _time_codec(n, N, reps, timer=None, device="cpu", members=1, numels=None,
+                autos=(False, True), blocks=None):
     """Seconds of each codec call on a bucket of n values among N ranks (the other ranks'
     payloads are copies of this one's), its tensors on ``device``: one tensor, or ``members``
-    members of (nearly) equal size."""
+    members of (nearly) equal size, or members of the sizes ``numels`` (n and members unused);
+    with a numeric threshold and "auto" (``autos``: which), "auto" cut into the compressor's
+    blocks or ``blocks`` = (block, blocks)."""
     import torch
     from .torch import codec, scatter_codec
     out = {}
-    numels = [n // members + (1 if i < n % members else 0) for i in range(members)]
+    if numels is None:
+        numels = [n // members + (1 if i < n % members else 0) for i in range(members)]
+    n, members = sum(numels), len(numels)
     names = ["x%d" % i for i in range(members)]
-    for auto in (False, True):
+    for auto in autos:
         sfx = "_auto" if auto else ""
         thr = "auto" if auto else 0.5
-        lay = _layout.Layout(numels, auto)
-        g = torch.randn(n, device=device) * 0.3
-        r = torch.zeros(n, device=device)
+        lay = _layout.Layout(numels, auto, *(blocks if auto and blocks
+                                             else _wire.validate_blocks(thr)))
+        g = torch.randn(lay.values, device=device) * 0.3  # members padded to whole words
+        r = torch.zeros(lay.values, device=device)
         payload = torch.empty(lay.payload_words, dtype=torch.int32, device=device)
         enc = lambda: codec.encode_payload(lay, r, g, thr, "lsq", payload)
         out["encode" + sfx] = _median_time(enc, reps, timer)
@@ -229,78 +302,6 @@ def _time_codec(n, N, reps, timer=None, device="cpu", members=1):
             lambda: scatter_codec.finish_reduced(chunks, gathered2, names, r, work, t, v,
                                                  [False] * members, N, 1.0), reps, timer)
     return out
-
-
-def _nonneg_lstsq(A, y):
-    """Least squares of A x = y with every x >= 0 (the most negative one dropped until none)."""
-    import numpy as np
-    keep = list(range(A.shape[1]))
-    while True:
-        coef = np.zeros(A.shape[1])
-        sol, *_ = np.linalg.lstsq(A[:, keep], y, rcond=None)
-        coef[keep] = sol
-        neg = [k for k in keep if coef[k] < 0]
-        if not neg:
-            return [float(c) for c in coef]
-        keep.remove(min(neg, key=lambda k: coef[k]))
-
-
-def _fit(points):
-    """Least-squares (c0, c1, a, b) of seconds = c0 + c1 N + n (a + b N), each >= 0."""
-    import numpy as np
-    A = np.array([[1.0, N, n, n * N] for n, N, _ in points])
-    return _nonneg_lstsq(A, np.array([s for _, _, s in points]))
-
-
-def _fit_by_size(points):
-    """The fixed cost ``[c0, c1]`` of the two smallest sizes timed (the :func:`_fit` line through
-    them: in cache, where a call's time is c0 + c1 N + n (a + b N)) and, per size timed
-    (ascending), the per-value rate ``[a, b]`` of seconds - c0 - c1 N = n (a_n + b_n N), each
-    >= 0: the codec's rate at that size over the same fixed cost."""
-    import numpy as np
-    sizes = sorted({n for n, _, _ in points})
-    c0, c1, _, _ = _fit([p for p in points if p[0] in sizes[:2]])
-    per_value = []
-    for n in sizes:
-        at = [(N, secs) for m, N, secs in points if m == n]
-        A = np.array([[1.0, N] for N, _ in at])
-        y = np.array([(secs - c0 - c1 * N) / n for N, secs in at])
-        per_value.append(_nonneg_lstsq(A, y))
-    return {"fixed": [c0, c1], "per_value": per_value}
-
-
-def _fit_members(points, bucket):
-    """``{"members", "values", "keys": {key: [m0, m1]}}``: each codec call's seconds per member
-    of a bucket beyond the first, ``m0 + m1 N``, each >= 0, from the bucket of
-    ``bucket["members"]`` members and ``bucket["values"]`` values timed at each N
-    (``bucket["points"]``: {key: [(N, seconds)]}) against one tensor of as many values at the
-    same N (``points``, :func:`calibrate`'s): what a call does per member (a member's offsets,
-    flags and levels' segments) that a one-tensor call at the same size does not."""
-    import numpy as np
-    M, n = int(bucket["members"]), int(bucket["values"])
-    keys = {}
-    for key, timed in bucket["points"].items():
-        one = {int(N): secs for m, N, secs in points[key] if int(m) == n}
-        at = [(int(N), (secs - one[int(N)]) / (M - 1)) for N, secs in timed if int(N) in one]
-        if not at:
-            raise ValueError("the bucket of %d members was timed at N = %s, one tensor of %d "
-                             "values at none of them" % (M, [N for N, _ in timed], n))
-        A = np.array([[1.0, N] for N, _ in at])
-        keys[key] = _nonneg_lstsq(A, np.array([d for _, d in at]))
-    return {"members": M, "values": n, "keys": keys}
-
-
-def refit(prof):
-    """``prof`` with its ``codec``, ``codec_by_size`` and (where it timed a bucket of members)
-    ``codec_members`` fitted again from its timed ``points`` (a profile written before the fits
-    changed, or with points added)."""
-    points = {k: [tuple(p) for p in v] for k, v in prof["points"].items()}
-    prof = dict(prof, codec={k: _fit(v) for k, v in points.items()})
-    prof["codec_by_size"] = {"sizes": sorted({n for v in points.values() for n, _, _ in v}),
-                             "keys": {k: _fit_by_size(v) for k, v in points.items()}}
-    if prof.get("member_points"):
-        prof["codec_members"] = _fit_members(points, prof["member_points"])
-    return prof
 
 
 def _time_per_value(n, reps, timer=None, device="cpu"):

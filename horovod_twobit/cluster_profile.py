@@ -14,7 +14,8 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
                  allreduce1_loaded_s=None):
     """One profile for the hosts of a virtual cluster, from each host's
     :func:`~horovod_twobit.calibrate.calibrate` with ``clock="wall"`` (run on every host at
-    once): per codec point (one tensor, and the bucket of members where every host timed one),
+    once): per codec point (one tensor, and the buckets of members and of tables and the tensor
+    in segments where every host timed them),
     per-value cost and message cost, the median over hosts, refitted;
     ``collective_s``, the fixed cost per collective, from ``allreduce1_s``, the seconds of a
     one-value allreduce among the ``nranks`` hosts (real-host seconds), less what the model
@@ -50,9 +51,21 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
             k: [(N, statistics.median(secs for p in profs
                                       for m, secs in p["member_points"]["points"][k] if m == N))
                 for N, _ in v] for k, v in first["points"].items()})
-    prof = {k: v for k, v in profs[0].items() if k not in ("member_points", "codec_members")}
+    extra = {}  # the bucket of tables and the tensor in segments: rows (N, more, fewer)
+    for entry in ("table_points", "segment_points"):
+        if all(p.get(entry) for p in profs):
+            first = profs[0][entry]
+            extra[entry] = dict(first, points={k: [
+                (N,) + tuple(statistics.median(row[j] for p in profs
+                                               for row in p[entry]["points"][k] if row[0] == N)
+                             for j in (1, 2))
+                for N, _, _ in v] for k, v in first["points"].items()})
+    prof = {k: v for k, v in profs[0].items()
+            if k not in ("member_points", "codec_members", "table_points", "codec_tables",
+                         "segment_points", "codec_segments")}
     if bucket:
         prof["member_points"] = bucket
+    prof.update(extra)
     prof = refit(dict(prof, name=name, points=points))
     for k, v in profs[0].items():
         if k.endswith("_s") or k.endswith("_per_byte"):

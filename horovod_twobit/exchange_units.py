@@ -63,6 +63,7 @@ def units(sizes, method, nranks, prof, bucket_bytes):
     sizes, bytes and codec costs are computed once per model, method, N and profile)."""
     key = (tuple(sizes), method, nranks, bucket_bytes,
            json.dumps([prof["codec"], prof.get("codec_by_size"), prof.get("codec_members"),
+                       prof.get("codec_tables"), prof.get("codec_segments"),
                        prof["cast_fp16_s"]], sort_keys=True))
     if key not in _CACHE:
         if len(_CACHE) > 4096:
@@ -115,10 +116,13 @@ def _make(sizes, method, nranks, prof, bucket_bytes):
 def bucket_unit(lay, exchange, nranks, prof, members=None):
     """The unit of one TwoBit bucket of layout ``lay`` sent by ``exchange`` ("allgather" or
     "scatter") among ``nranks`` ranks: its bytes by the formats' own counts, its codec calls by
-    the profile (per member where it measured that)."""
+    the profile (per member, and per table and per segment of an "auto" layout's segments beyond
+    one tensor's, where it measured those)."""
     N, suffix = nranks, "_auto" if lay.auto else ""
     u = Unit(members, lay.values, exchange)
-    cost = lambda key: codec_s(prof, key + suffix, lay.values, N, lay.members)  # noqa: E731
+    tables, segments = (lay.table_count, lay.extra_segments) if lay.auto else (1, 0)
+    cost = lambda key: codec_s(prof, key + suffix, lay.values, N, lay.members,  # noqa: E731
+                               tables, segments)
     if exchange == "scatter":
         sent, red = scatter_words(lay, N)
         u.bytes = 4.0 * sent * (N - 1) / N      # one rank's share of the alltoall

@@ -23,6 +23,10 @@ import zlib
 
 from . import wire
 
+# padding values a table of segments (:meth:`Layout.tables`) may take on to save a call (about
+# what one costs)
+MERGE_PADDING = 8192
+
 
 class Layout:
     """Offsets of a bucket of tensors with ``numels`` values, for a compressor's threshold mode
@@ -33,6 +37,7 @@ class Layout:
         if not self.numels:
             raise ValueError("a bucket needs at least one tensor")
         self.auto = bool(auto)
+        self.cut = (block, blocks)  # how "auto" cuts a member into blocks (wire.block_of)
         self.single = len(self.numels) == 1
         self.blocks = [wire.block_of(n, block, blocks) if auto else None for n in self.numels]
         self.member_words = [wire.num_words(n) for n in self.numels]
@@ -91,6 +96,58 @@ class Layout:
     def plan(self, threshold):
         """The words of this bucket's one-time scatter announcement (:func:`wire.make_plan`)."""
         return wire.make_plan(self.numels, 1.0 if self.auto else threshold, self.auto, self.digest)
+
+    def tables(self, words=True):
+        """How an "auto" layout's segments are reduced: one call a table, one segment a row, as
+        (rows, width, lengths, at, segment ids): ``lengths`` the rows' real lengths (None where
+        every row is full), ``at`` the flat start of a run of equal segments where they lie (an
+        int) or the word of the flat buffer each row's words start at, row after row (a list:
+        the table is gathered, each row padded to ``width`` by repeating its first word, never
+        counted; None with ``words=False``). A tensor alone, and each run of equal-length
+        segments of a bucket, is a table where it lies; a bucket's other segments are gathered,
+        consecutive groups (by length) sharing a table, rows padded to the longest, while that
+        adds at most :data:`MERGE_PADDING` values. ``[]`` for a layout without "auto"."""
+        out, pending = [], []
+
+        def close():
+            width = 16 * wire.num_words(max(n for _, n in pending))
+            at = [] if words else None
+            for k, n in pending if words else ():
+                w = self.seg_starts[k] // 16
+                at += list(range(w, w + wire.num_words(n)))
+                at += [w] * (width // 16 - wire.num_words(n))
+            lengths = [n for _, n in pending]
+            out.append((len(pending), width, None if all(n == width for n in lengths)
+                        else lengths, at, [k for k, _ in pending]))
+            pending.clear()
+
+        for length, ids, start in self.groups:  # by increasing length
+            if self.single or not length:  # where they lie; empty members: a table of their own
+                out.append((len(ids), length, None, start or 0, list(ids)))
+                continue
+            width = 16 * wire.num_words(length)
+            if pending and (len(pending) + len(ids)) * width - sum(n for _, n in pending) \
+                    - length * len(ids) > MERGE_PADDING:
+                close()
+            pending.extend((k, length) for k in ids)
+        if pending:
+            close()
+        return out
+
+    @property
+    def extra_segments(self):
+        """The segments of an "auto" layout beyond those of one tensor of as many values cut
+        alike (its members' own blocks and levels, which a bucket adds); 0 without "auto"."""
+        if not self.auto:
+            return 0
+        size = wire.block_of(self.values, *self.cut) or max(self.values, 1)
+        return max(0, self.segments - -(-max(self.values, 1) // size))
+
+    @property
+    def table_count(self):
+        """How many tables (:meth:`tables`) an "auto" encode reduces: one call each; 0 without
+        "auto"."""
+        return len(self.tables(words=False))
 
     def member_offsets(self):
         """(first word, word count) of each member inside the packed words."""

@@ -16,7 +16,14 @@ profile without it (older files, the bounds) costs as ``codec`` says. A measured
 hold ``codec_members`` (:func:`horovod_twobit.calibrate.calibrate` times a bucket of many
 members against one tensor of as many values): ``{"keys": {key: [m0, m1]}, ...}``, the seconds
 per member beyond the first, ``m0 + m1 N``, that a bucket of ``k`` members adds to a call:
-``(k - 1) (m0 + m1 N)``. Without it a bucket costs what one tensor of its values costs.
+``(k - 1) (m0 + m1 N)``. Without it a bucket costs what one tensor of its values costs. Where
+it timed an "auto" bucket of T tables against its twin of one, ``codec_tables``: ``{"tables": T,
+"keys": {key: [t0, t1]}}``, the seconds per table of the bucket's segments beyond the first
+(:meth:`horovod_twobit.layout.Layout.tables`: one reduction call each), ``(t - 1) (t0 + t1 N)``
+for t tables; and where it timed one tensor in many blocks against the compressor's few,
+``codec_segments``: ``{"keys": {key: [s0, s1]}, ...}``, the seconds per segment (a block with its
+own levels), ``s (s0 + s1 N)`` for a bucket's s segments beyond one tensor's of as many values
+(:attr:`~horovod_twobit.layout.Layout.extra_segments`).
 """
 
 import bisect
@@ -53,14 +60,15 @@ def load_profile(name_or_path):
         if not sizes or sorted(sizes) != list(sizes) or bad:
             raise ValueError("profile %s: codec_by_size needs ascending sizes and, per key, "
                              "fixed [c0, c1] and one [a, b] per size (bad: %s)" % (path, bad))
-    per_member = prof.get("codec_members")
-    if per_member:
-        bad = [k for k, v in per_member.get("keys", {}).items()
-               if len(v) != 2 or min(v) < 0]
-        if bad or not per_member.get("keys"):
-            raise ValueError("profile %s: codec_members needs, per key, [m0, m1] >= 0 (bad: %s); "
-                             "calibrate again (python -m horovod_twobit.advise calibrate)"
-                             % (path, bad or "no keys"))
+    for entry, what in (("codec_members", "[m0, m1]"), ("codec_tables", "[t0, t1]"),
+                        ("codec_segments", "[s0, s1]")):
+        per = prof.get(entry)
+        if per:
+            bad = [k for k, v in per.get("keys", {}).items() if len(v) != 2 or min(v) < 0]
+            if bad or not per.get("keys"):
+                raise ValueError("profile %s: %s needs, per key, %s >= 0 (bad: %s); calibrate "
+                                 "again (python -m horovod_twobit.advise calibrate)"
+                                 % (path, entry, what, bad or "no keys"))
     return prof
 
 
@@ -95,16 +103,25 @@ def codec_coefficients(prof, key, values):
     return entry["fixed"][0], entry["fixed"][1], a, b
 
 
-def codec_s(prof, key, values, nranks, members=1):
+def codec_s(prof, key, values, nranks, members=1, tables=1, segments=0):
     """Seconds of one codec call on a bucket of ``values`` values in ``members`` tensors among
     ``nranks`` ranks: ``c0 + c1 N + values (a + b N)`` with the profile's coefficients (at that
     size, where it has them by size), plus ``(members - 1) (m0 + m1 N)`` where the profile
-    measured a cost per member (``codec_members``)."""
+    measured a cost per member (``codec_members``), ``(tables - 1) (t0 + t1 N)`` where it
+    measured one per table of an "auto" bucket's segments (``codec_tables``) and ``segments (s0
+    + s1 N)`` for the ``segments`` beyond one tensor's where it measured one per segment
+    (``codec_segments``)."""
     c0, c1, a, b = codec_coefficients(prof, key, values)
     secs = max(0.0, c0 + c1 * nranks + values * (a + b * nranks))
     per_member = (prof.get("codec_members") or {}).get("keys", {}).get(key)
     if per_member and members > 1:
         secs += (members - 1) * (per_member[0] + per_member[1] * nranks)
+    per_table = (prof.get("codec_tables") or {}).get("keys", {}).get(key)
+    if per_table and tables > 1:
+        secs += (tables - 1) * (per_table[0] + per_table[1] * nranks)
+    per_segment = (prof.get("codec_segments") or {}).get("keys", {}).get(key)
+    if per_segment and segments > 0:
+        secs += segments * (per_segment[0] + per_segment[1] * nranks)
     return secs
 
 

@@ -226,3 +226,36 @@ def test_from_cluster_takes_the_median_hosts_cost_per_member():
     # a host that timed no bucket of members: the merged profile has no cost per member
     mixed = cluster_profile.from_cluster(hosts[:2] + [_host(9.0)], 2e-3, 4)
     assert "codec_members" not in mixed and "member_points" not in mixed
+
+
+def _with_tables(prof, scale, T=8, N=(2, 4)):
+    """``prof`` with an "auto" bucket of ``T`` tables timed against its twin of one: each call
+    ``scale`` x (2e-4 + 1e-5 N) s per table beyond the first."""
+    keys = [k for k in steptime.CODEC_KEYS if k.endswith("_auto")]
+    timed = {"tables": T, "numels": calibrate.table_numels(T)[0], "points": {
+        k: [(b, 1e-3 + (T - 1) * scale * (2e-4 + 1e-5 * b), 1e-3) for b in N] for k in keys}}
+    return calibrate.refit(dict(prof, table_points=timed))
+
+
+def _with_segments(prof, scale, N=(2, 4)):
+    """``prof`` with a tensor timed in 1024 segments against 64: each call ``scale`` x (3e-7 +
+    1e-8 N) s per segment beyond."""
+    keys = [k for k in steptime.CODEC_KEYS if k.endswith("_auto")]
+    timed = {"values": 65536, "segments": [1024, 64], "points": {
+        k: [(b, 1e-3 + 960 * scale * (3e-7 + 1e-8 * b), 1e-3) for b in N] for k in keys}}
+    return calibrate.refit(dict(prof, segment_points=timed))
+
+
+def test_from_cluster_takes_the_median_hosts_cost_per_table():
+    hosts = [_with_segments(_with_tables(_host(s), s), s) for s in (1.0, 2.0, 9.0)]
+    prof = cluster_profile.from_cluster(hosts, allreduce1_s=2e-3, nranks=4)
+    assert sorted(prof["codec_tables"]["keys"]) == sorted(
+        k for k in steptime.CODEC_KEYS if k.endswith("_auto"))
+    for v in prof["codec_tables"]["keys"].values():
+        assert v == pytest.approx([4e-4, 2e-5], rel=1e-6)
+    for v in prof["codec_segments"]["keys"].values():
+        assert v == pytest.approx([6e-7, 2e-8], rel=1e-6)
+    steptime.load_profile(prof)
+    # a host that timed neither: the merged profile has no cost per table nor per segment
+    mixed = cluster_profile.from_cluster(hosts[:2] + [_host(9.0)], 2e-3, 4)
+    assert not {"codec_tables", "table_points", "codec_segments", "segment_points"} & set(mixed)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from horovod_twobit import calibrate, layout, scatter_wire, steptime
+from horovod_twobit.torch import levels
 
 CPU = steptime.load_profile("cpu")
 BOUND = steptime.load_profile("h100-bound")
@@ -258,13 +259,13 @@ def test_calibrate_writes_a_usable_profile(tmp_path, monkeypatch):
 def test_calibrate_times_a_bucket_of_members(tmp_path, monkeypatch):
     timed, time_codec = [], calibrate._time_codec
 
-    def recording(n, N, reps, timer=None, device="cpu", members=1):
+    def recording(n, N, reps, timer=None, device="cpu", members=1, **kw):
         timed.append((n, N, members))
-        return time_codec(n, N, reps, timer, device, members)
+        return time_codec(n, N, reps, timer, device, members, **kw)
     monkeypatch.setattr(calibrate, "_time_codec", recording)
     path = tmp_path / "me.json"
     prof = calibrate.calibrate(str(path), sizes=(256, 1024, 4096), ranks=(2, 3), compiled=False,
-                               reps=1, name="me", members=16)
+                               reps=1, name="me", members=16, tables=1, segment_values=0)
     # every size as one tensor, then a bucket of 16 members at the smallest size that gives each
     # member a word at least, at every N
     assert timed == [(n, N, 1) for n in (256, 1024, 4096) for N in (2, 3)] + [(256, 2, 16),
@@ -282,7 +283,8 @@ def test_calibrate_times_a_bucket_of_members(tmp_path, monkeypatch):
         steptime.codec_s(back, "encode_auto", 256, 3) + 15 * (m0 + 3 * m1), rel=1e-12)
     timed.clear()
     assert "codec_members" not in calibrate.calibrate(None, sizes=(1024,), ranks=(2,), reps=1,
-                                                      compiled=False, members=1)
+                                                      compiled=False, members=1, tables=1,
+                                                      segment_values=0)
     assert timed == [(1024, 2, 1)]
     assert prof["codec_members"] == back["codec_members"]
 
@@ -334,6 +336,194 @@ def test_codec_charges_each_member_beyond_the_first():
     for m in ("none", "fp16"):
         assert steptime.predict(sizes, m, 4, "1gbit", 0.02, prof).step_s == \
             steptime.predict(sizes, m, 4, "1gbit", 0.02, CPU).step_s
+
+
+def test_layout_tables_and_the_calibration_buckets():
+    # one reduction call a table (the compressor's blocks): rows far apart in length each make
+    # their own; the twin, of equal members, one
+    blocks = layout.wire.validate_blocks("auto")
+    for T in (2, 3):
+        distinct, equal = calibrate.table_numels(T)
+        assert len(distinct) == len(equal) == T and sum(distinct) == sum(equal)
+        assert layout.Layout(distinct, True, *blocks).table_count == T
+        assert layout.Layout(equal, True, *blocks).table_count == 1
+        assert layout.Layout(distinct, False).table_count == 0
+    # the count is the tables the codec reduces, words or not
+    cnn = [432, 16, 4608, 32, 9216, 32, 5120, 10]
+    for numels in (distinct, equal, cnn, [1 << 20], [5000]):
+        lay = layout.Layout(numels, True, *blocks)
+        with_words = lay.tables()
+        assert lay.table_count == len(with_words) == len(levels.Tables(lay, "cpu").tables)
+        assert sorted(k for t in with_words for k in t[4]) == list(range(lay.segments))
+    assert layout.Layout(cnn, True, *blocks).table_count == 2
+    assert layout.Layout(cnn, True).table_count == 3  # one segment a member
+
+
+def test_fit_tables_recovers_the_cost_per_table():
+    timed = {"tables": 3, "numels": calibrate.table_numels(3)[0], "points": {
+        "encode_auto": [(N, 1e-3 + 2 * (2e-4 + 3e-6 * N), 1e-3) for N in (2, 4, 8)],
+        "finish_auto": [(N, 1e-3, 1e-3 + 1e-6) for N in (2, 4, 8)]}}
+    fit = calibrate._fit_tables(timed)
+    assert fit["tables"] == 3
+    assert fit["keys"]["encode_auto"] == pytest.approx([2e-4, 3e-6], rel=1e-6)
+    assert fit["keys"]["finish_auto"] == [0.0, 0.0]  # never below zero
+
+
+def test_calibrate_times_a_bucket_of_tables(tmp_path, monkeypatch):
+    timed, time_codec = [], calibrate._time_codec
+
+    def recording(n, N, reps, timer=None, device="cpu", members=1, numels=None,
+                  autos=(False, True), blocks=None):
+        timed.append((N, numels, autos))
+        return time_codec(n, N, reps, timer, device, members, numels, autos, blocks)
+    monkeypatch.setattr(calibrate, "_time_codec", recording)
+    path = tmp_path / "me.json"
+    calibrate.calibrate(str(path), sizes=(256, 1024), ranks=(2, 3), compiled=False, reps=1,
+                        members=1, tables=2, segment_values=0)
+    distinct, equal = calibrate.table_numels(2)
+    # each size as one tensor, then at every N the bucket of 2 tables and its twin, "auto" only
+    assert timed == [(N, None, (False, True)) for _ in (256, 1024) for N in (2, 3)] + [
+        (N, numels, (True,)) for N in (2, 3) for numels in (distinct, equal)]
+    back = steptime.load_profile(str(path))
+    auto_keys = sorted(k for k in steptime.CODEC_KEYS if k.endswith("_auto"))
+    assert sorted(back["codec_tables"]["keys"]) == auto_keys
+    assert [row[0] for row in back["table_points"]["points"]["encode_auto"]] == [2, 3]
+    assert back["codec_tables"] == calibrate._fit_tables(back["table_points"])
+    assert calibrate.refit(back)["codec_tables"] == back["codec_tables"]
+    t0, t1 = back["codec_tables"]["keys"]["encode_auto"]
+    assert t0 + t1 > 0  # a reduction call a table costs something
+    assert steptime.codec_s(back, "encode_auto", 5000, 3, tables=5) == pytest.approx(
+        steptime.codec_s(back, "encode_auto", 5000, 3) + 4 * (t0 + 3 * t1), rel=1e-12)
+    assert steptime.codec_s(back, "encode", 5000, 3, tables=5) == \
+        steptime.codec_s(back, "encode", 5000, 3)  # a numeric threshold: no such cost
+
+
+def _per_table(prof, t0=2e-4, t1=1e-5):
+    return dict(prof, codec_tables={"tables": 8, "keys": {
+        k: [t0, t1] for k in steptime.CODEC_KEYS if k.endswith("_auto")}})
+
+
+def test_the_model_charges_each_table_of_an_auto_bucket():
+    prof = _per_table(CPU)
+    # members of three lengths far apart: three tables; the model's "auto" calls pay two more
+    sizes = calibrate.table_numels(3)[0]
+    tables = layout.Layout(sizes, True).table_count
+    assert tables == 3
+    for m, calls in (("auto", ("encode_auto", "finish_auto")),
+                     ("scatter_auto", ("scatter_encode_auto", "owner_auto",
+                                       "scatter_finish_auto"))):
+        base = steptime.predict(sizes, m, 4, "1gbit", 0.02, CPU)
+        more = steptime.predict(sizes, m, 4, "1gbit", 0.02, prof)
+        assert base.parts["collectives"] == 1
+        assert more.parts["codec"] - base.parts["codec"] == pytest.approx(
+            len(calls) * (tables - 1) * (2e-4 + 4 * 1e-5), rel=1e-9)
+        assert more.step_s > base.step_s
+    for m in ("none", "fp16", "twobit", "scatter"):
+        assert steptime.predict(sizes, m, 4, "1gbit", 0.02, prof).step_s == \
+            steptime.predict(sizes, m, 4, "1gbit", 0.02, CPU).step_s
+
+
+def test_extra_segments_count_what_a_bucket_adds_to_one_tensor():
+    blocks = layout.wire.validate_blocks("auto")
+    assert layout.Layout([1 << 20], True, *blocks).extra_segments == 0  # 64 blocks, as it
+    assert layout.Layout([1 << 20], False).extra_segments == 0
+    # 100 members of 4096 values: 64 blocks each; one tensor of their 409600 values: 50 blocks
+    # of 8192
+    lay = layout.Layout([4096] * 100, True, *blocks)
+    assert layout.Layout([409600], True, *blocks).segments == 50
+    assert lay.segments == 6400 and lay.extra_segments == 6400 - 50
+    # members of one segment each, fewer than one tensor's blocks: none beyond it
+    assert layout.Layout([64] * 10, True, *blocks).extra_segments == 0
+
+
+def test_calibrate_times_a_tensor_in_segments(tmp_path, monkeypatch):
+    timed, time_codec = [], calibrate._time_codec
+
+    def recording(n, N, reps, timer=None, device="cpu", members=1, numels=None,
+                  autos=(False, True), blocks=None):
+        timed.append((N, numels, autos, blocks))
+        return time_codec(n, N, reps, timer, device, members, numels, autos, blocks)
+    monkeypatch.setattr(calibrate, "_time_codec", recording)
+    path = tmp_path / "me.json"
+    calibrate.calibrate(str(path), sizes=(256,), ranks=(2, 3), compiled=False, reps=1,
+                        members=1, tables=1, segment_values=16384)
+    cut = layout.wire.validate_blocks("auto")
+    # at every N: 16384 values in blocks of 64 (256 segments) and as the compressor cuts them (64)
+    assert timed[2:] == [(N, [16384], (True,), c) for N in (2, 3) for c in ((64, None), cut)]
+    back = steptime.load_profile(str(path))
+    assert back["segment_points"]["segments"] == [256, 64]
+    assert sorted(back["codec_segments"]["keys"]) == sorted(
+        k for k in steptime.CODEC_KEYS if k.endswith("_auto"))
+    assert back["codec_segments"] == calibrate._fit_segments(back["segment_points"])
+    assert calibrate.refit(back)["codec_segments"] == back["codec_segments"]
+    s0, s1 = back["codec_segments"]["keys"]["encode_auto"]
+    assert s0 + s1 > 0  # a segment's levels cost something
+    # a tensor the compressor cuts as finely as blocks of 64: no segments to time, said
+    with pytest.raises(ValueError, match="segment_values.*more than 4096"):
+        calibrate.calibrate(None, sizes=(256,), ranks=(2,), reps=1, members=1, tables=1,
+                            segment_values=4096)
+    assert steptime.codec_s(back, "encode_auto", 5000, 3, segments=40) == pytest.approx(
+        steptime.codec_s(back, "encode_auto", 5000, 3) + 40 * (s0 + 3 * s1), rel=1e-12)
+
+
+def test_fit_segments_recovers_the_cost_per_segment():
+    timed = {"values": 65536, "segments": [1024, 64], "points": {
+        "encode_auto": [(N, 1e-3 + 960 * (3e-7 + 1e-8 * N), 1e-3) for N in (2, 4, 8)]}}
+    fit = calibrate._fit_segments(timed)
+    assert fit["segments"] == [1024, 64] and fit["values"] == 65536
+    assert fit["keys"]["encode_auto"] == pytest.approx([3e-7, 1e-8], rel=1e-6)
+
+
+def test_the_model_charges_each_segment_beyond_one_tensors():
+    prof = dict(CPU, codec_segments={"values": 65536, "segments": [1024, 64], "keys": {
+        k: [3e-7, 1e-8] for k in steptime.CODEC_KEYS if k.endswith("_auto")}})
+    sizes = [4096] * 100  # one bucket, 6336 segments beyond one tensor's
+    extra = layout.Layout(sizes, True, *layout.wire.validate_blocks("auto")).extra_segments
+    for m, calls in (("auto", 2), ("scatter_auto", 3)):
+        base = steptime.predict(sizes, m, 4, "1gbit", 0.02, CPU)
+        more = steptime.predict(sizes, m, 4, "1gbit", 0.02, prof)
+        assert base.parts["collectives"] == 1
+        assert more.parts["codec"] - base.parts["codec"] == pytest.approx(
+            calls * extra * (3e-7 + 4e-8), rel=1e-9)
+    for m in ("none", "twobit", "scatter"):
+        assert steptime.predict(sizes, m, 4, "1gbit", 0.02, prof).step_s == \
+            steptime.predict(sizes, m, 4, "1gbit", 0.02, CPU).step_s
+
+
+@pytest.mark.parametrize("entry", ["codec_tables", "codec_segments"])
+def test_costs_per_table_and_segment_are_checked(tmp_path, entry):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(dict(CPU, **{entry: {"keys": {"encode_auto": [1e-6, -1.0]}}})))
+    with pytest.raises(ValueError, match=entry + ".*calibrate again"):
+        steptime.load_profile(str(path))
+
+
+def test_calibrate_times_either_side_of_the_compiled_switch(tmp_path, monkeypatch):
+    from horovod_twobit.torch import compiled
+    switch = compiled.COMPILE_MIN_NUMEL
+    assert calibrate.timed_sizes((4096, 1 << 20), switch) == [4096, switch - 16, 1 << 20]
+    assert calibrate.timed_sizes((1 << 20, 4096, 4096), switch) == [4096, switch - 16, 1 << 20]
+    assert calibrate.timed_sizes((4096, switch), 1 << 20) == [4096, switch]  # not straddled
+    assert calibrate.timed_sizes((switch, 1 << 20), switch) == [switch, 1 << 20]
+    # the codec is timed as a step runs it: at the runtime's switch (or every size eager)
+    seen, time_codec = [], calibrate._time_codec
+
+    def recording(n, *a, **kw):
+        seen.append((n, compiled.COMPILE_MIN_NUMEL))
+        return time_codec(n, *a, **kw)
+    monkeypatch.setattr(calibrate, "_time_codec", recording)
+    monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 2048)
+    prof = calibrate.calibrate(None, sizes=(1024, 4096), ranks=(2,), reps=1, members=1, tables=1,
+                               segment_values=0)
+    assert seen == [(1024, 2048), (2032, 2048), (4096, 2048)]
+    assert compiled.COMPILE_MIN_NUMEL == 2048 and prof["compile_min_numel"] == 2048
+    assert prof["codec_by_size"]["sizes"] == [1024, 2032, 4096]
+    assert "compiled from 2048 values, eager below" in prof["source"]
+    seen.clear()
+    prof = calibrate.calibrate(None, sizes=(1024, 4096), ranks=(2,), reps=1, members=1, tables=1,
+                               segment_values=0, compiled=False)
+    assert seen == [(1024, 1 << 62), (4096, 1 << 62)] and prof["compile_min_numel"] is None
+    assert compiled.COMPILE_MIN_NUMEL == 2048
 
 
 def test_costs_per_member_are_checked(tmp_path):

@@ -200,51 +200,21 @@ def auto_threshold(r, g, rule=DEFAULT_RULE):
 
 # ----------------------------------------------------------------- the segments of a bucket
 
-# padding values a table of segments may take on to save a call (about what one costs)
-MERGE_PADDING = 8192
-
-
 class Tables:
-    """How :func:`table_levels` lays out one layout's segments on one device, made once: tables
-    of (rows, width, lengths, flat start or word indices), one segment a row, one call a table.
-
-    A tensor alone reduces its layout's groups (equal-length segments, one run each) where they
-    lie. A bucket of several gathers each table's words (segments start on a word), each row
-    padded to whole words; consecutive groups (by length) share a table, rows padded to the
-    longest, while that adds at most MERGE_PADDING values. ``lengths`` (None where every row is
-    full) is a (rows, 1) tensor of the rows' real lengths."""
+    """:meth:`horovod_twobit.layout.Layout.tables` on one device, made once: tables of (rows,
+    width, lengths, flat start or word indices), one segment a row, one call a table.
+    ``lengths`` (None where every row is full) is a (rows, 1) int64 tensor of the rows' real
+    lengths; a gathered table's word indices an int64 tensor."""
 
     def __init__(self, layout, device):
         def ints(values):
             return torch.tensor(values, dtype=torch.int64, device=device)
-        self.tables, order, pending = [], [], []
-
-        def close():  # a table of the pending segments, gathered by words
-            width = 16 * wire.num_words(max(n for _, n in pending))
-            words = []
-            for k, n in pending:
-                w = layout.seg_starts[k] // 16
-                words += list(range(w, w + wire.num_words(n)))
-                words += [w] * (width // 16 - wire.num_words(n))  # padding: never counted
-            lengths = [n for _, n in pending]
-            full = all(n == width for n in lengths)
-            self.tables.append((len(pending), width, None if full else ints(lengths).view(-1, 1),
-                                ints(words)))
-            order.extend(k for k, _ in pending)
-            pending.clear()
-
-        for length, ids, start in layout.groups:  # by increasing length
-            if layout.single or not length:  # where they lie; empty members: a table of their own
-                self.tables.append((len(ids), length, None, start or 0))
-                order += ids
-                continue
-            width = 16 * wire.num_words(length)
-            if pending and (len(pending) + len(ids)) * width - sum(n for _, n in pending) \
-                    - length * len(ids) > MERGE_PADDING:
-                close()
-            pending.extend((k, length) for k in ids)
-        if pending:
-            close()
+        self.tables, order = [], []
+        for rows, width, lengths, at, ids in layout.tables():
+            gathered = isinstance(at, list)
+            self.tables.append((rows, width, None if lengths is None else
+                                ints(lengths).view(-1, 1), ints(at) if gathered else at))
+            order += ids
         # segment k's levels are column inverse[k] of the tables' levels side by side
         inverse = [0] * len(order)
         for i, k in enumerate(order):
