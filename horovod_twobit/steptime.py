@@ -51,8 +51,9 @@ Codec costs come from a device profile (:func:`load_profile`): JSON written by
 horovod_twobit.advise calibrate``) or shipped under
 ``horovod_twobit/profiles/`` (``h200``, ``h100``: measured on one H200 and one H100; the other
 GPU entries are memory-bandwidth bounds, labelled so, with their source;
-:mod:`horovod_twobit.profile`: a measured profile's codec rate depends on the bucket's size, and
-a bucket of many tensors pays a cost per member). Pure Python; importing this module imports
+:mod:`horovod_twobit.profile`: a measured profile's codec rate depends on the bucket's size, a
+bucket of many tensors pays a cost per member, and an "auto" bucket one per table of its
+segments and per segment beyond one tensor's). Pure Python; importing this module imports
 neither torch nor Horovod.
 """
 
