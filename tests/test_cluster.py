@@ -342,7 +342,8 @@ def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
     from horovod_twobit import steptime
     prof = steptime.load_profile(str(out / "profile-2h-1gbit.json"))
     assert json.load(open(out / "bench_cluster.json"))["profiles"]["1gbit"] == prof
-    assert prof["codec_by_size"]["sizes"] == [16384, 65536]
+    # the sizes asked for, and the size just below the codec's switch to its compiled bodies
+    assert prof["codec_by_size"]["sizes"] == [16384, 65520, 65536]
     assert prof["cluster"]["hosts"] == 2 and len(prof["cluster"]["allreduce1_per_host_s"]) == 2
     assert 0 < prof["collective_s"] < prof["allreduce1_s"] < 1.0
     assert sorted(prof["framework_s"]) == ["fp16", "none", "scatter", "twobit"]
@@ -366,4 +367,10 @@ def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
     assert prof["codec_members"]["members"] == 64 and prof["codec_members"]["values"] == 16384
     assert sorted(prof["codec_members"]["keys"]) == sorted(steptime.CODEC_KEYS)
     assert [N for N, _ in prof["member_points"]["points"]["encode_auto"]] == [2, 4, 8]
+    # and an "auto" bucket of tables against its twin, a tensor in segments: the hosts' median
+    # cost per table and per segment
+    auto = sorted(k for k in steptime.CODEC_KEYS if k.endswith("_auto"))
+    for entry, points in (("codec_tables", "table_points"), ("codec_segments", "segment_points")):
+        assert sorted(prof[entry]["keys"]) == auto
+        assert [row[0] for row in prof[points]["points"]["encode_auto"]] == [2, 4, 8]
     assert "calibrated 2 hosts" in proc.stdout
