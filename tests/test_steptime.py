@@ -407,7 +407,7 @@ def test_the_model_charges_each_table_of_an_auto_bucket():
     prof = _per_table(CPU)
     # members of three lengths far apart: three tables; the model's "auto" calls pay two more
     sizes = calibrate.table_numels(3)[0]
-    tables = layout.Layout(sizes, True).table_count
+    tables = layout.Layout(sizes, True, *layout.wire.validate_blocks("auto")).table_count
     assert tables == 3
     for m, calls in (("auto", ("encode_auto", "finish_auto")),
                      ("scatter_auto", ("scatter_encode_auto", "owner_auto",
@@ -477,13 +477,13 @@ def test_fit_segments_recovers_the_cost_per_segment():
 def test_the_model_charges_each_segment_beyond_one_tensors():
     prof = dict(CPU, codec_segments={"values": 65536, "segments": [1024, 64], "keys": {
         k: [3e-7, 1e-8] for k in steptime.CODEC_KEYS if k.endswith("_auto")}})
-    sizes = [4096] * 100  # one bucket, 6336 segments beyond one tensor's
+    sizes = [4096] * 100  # one bucket, 6350 segments beyond one tensor's
     extra = layout.Layout(sizes, True, *layout.wire.validate_blocks("auto")).extra_segments
     for m, calls in (("auto", 2), ("scatter_auto", 3)):
         base = steptime.predict(sizes, m, 4, "1gbit", 0.02, CPU)
         more = steptime.predict(sizes, m, 4, "1gbit", 0.02, prof)
         assert base.parts["collectives"] == 1
-        assert more.parts["codec"] - base.parts["codec"] == pytest.approx(
+        assert extra == 6350 and more.parts["codec"] - base.parts["codec"] == pytest.approx(
             calls * extra * (3e-7 + 4e-8), rel=1e-9)
     for m in ("none", "twobit", "scatter"):
         assert steptime.predict(sizes, m, 4, "1gbit", 0.02, prof).step_s == \
