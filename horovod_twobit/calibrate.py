@@ -90,25 +90,24 @@ def calibrate(path=None, sizes=SIZES, ranks=(2, 4, 8), threads=1, compiled=True,
                 for key, secs in _time_codec(n, int(N), reps, timer, device,
                                              int(members)).items():
                     bucket["points"][key].append((int(N), secs))
-        by_table = None
+        def paired(more, fewer):  # "auto" only, at every N: {key: [(N, seconds, seconds)]}
+            points = {}
+            for N in ranks:
+                a, b = (_time_codec(0, int(N), reps, timer, device, autos=(True,), **kw)
+                        for kw in (more, fewer))
+                for key in a:
+                    points.setdefault(key, []).append((int(N), a[key], b[key]))
+            return points
+        by_table = by_segment = None
         if tables and int(tables) > 1:
             distinct, equal = table_numels(int(tables))
-            by_table = {"tables": int(tables), "numels": distinct, "points": {}}
-            for N in ranks:
-                a, b = (_time_codec(0, int(N), reps, timer, device, numels=numels, autos=(True,))
-                        for numels in (distinct, equal))
-                for key in a:
-                    by_table["points"].setdefault(key, []).append((int(N), a[key], b[key]))
-        by_segment = None
+            by_table = {"tables": int(tables), "numels": distinct,
+                        "points": paired({"numels": distinct}, {"numels": equal})}
         if segment_values:
             n, cuts = int(segment_values), ((64, None), _wire.validate_blocks("auto"))
             by_segment = {"values": n, "segments": [
-                _layout.Layout([n], True, *c).segments for c in cuts], "points": {}}
-            for N in ranks:
-                a, b = (_time_codec(0, int(N), reps, timer, device, numels=[n], autos=(True,),
-                                    blocks=c) for c in cuts)
-                for key in a:
-                    by_segment["points"].setdefault(key, []).append((int(N), a[key], b[key]))
+                _layout.Layout([n], True, *c).segments for c in cuts],
+                "points": paired(*({"numels": [n], "blocks": c} for c in cuts))}
         per = _time_per_value(1 << 22, reps, timer, device)
     finally:
         bodies.COMPILE_MIN_NUMEL = old

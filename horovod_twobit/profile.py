@@ -113,15 +113,11 @@ def codec_s(prof, key, values, nranks, members=1, tables=1, segments=0):
     (``codec_segments``)."""
     c0, c1, a, b = codec_coefficients(prof, key, values)
     secs = max(0.0, c0 + c1 * nranks + values * (a + b * nranks))
-    per_member = (prof.get("codec_members") or {}).get("keys", {}).get(key)
-    if per_member and members > 1:
-        secs += (members - 1) * (per_member[0] + per_member[1] * nranks)
-    per_table = (prof.get("codec_tables") or {}).get("keys", {}).get(key)
-    if per_table and tables > 1:
-        secs += (tables - 1) * (per_table[0] + per_table[1] * nranks)
-    per_segment = (prof.get("codec_segments") or {}).get("keys", {}).get(key)
-    if per_segment and segments > 0:
-        secs += segments * (per_segment[0] + per_segment[1] * nranks)
+    for entry, count in (("codec_members", members - 1), ("codec_tables", tables - 1),
+                         ("codec_segments", segments)):
+        per = (prof.get(entry) or {}).get("keys", {}).get(key)
+        if per and count > 0:
+            secs += count * (per[0] + per[1] * nranks)
     return secs
 
 
