@@ -391,7 +391,7 @@ def test_calibrate_times_a_bucket_of_tables(tmp_path, monkeypatch):
     assert back["codec_tables"] == calibrate._fit_tables(back["table_points"])
     assert calibrate.refit(back)["codec_tables"] == back["codec_tables"]
     t0, t1 = back["codec_tables"]["keys"]["encode_auto"]
-    assert t0 + t1 > 0  # a reduction call a table costs something
+    assert min(t0, t1) >= 0  # fitted, never below zero (how much: a timing, not asserted)
     assert steptime.codec_s(back, "encode_auto", 5000, 3, tables=5) == pytest.approx(
         steptime.codec_s(back, "encode_auto", 5000, 3) + 4 * (t0 + 3 * t1), rel=1e-12)
     assert steptime.codec_s(back, "encode", 5000, 3, tables=5) == \
@@ -457,7 +457,7 @@ def test_calibrate_times_a_tensor_in_segments(tmp_path, monkeypatch):
     assert back["codec_segments"] == calibrate._fit_segments(back["segment_points"])
     assert calibrate.refit(back)["codec_segments"] == back["codec_segments"]
     s0, s1 = back["codec_segments"]["keys"]["encode_auto"]
-    assert s0 + s1 > 0  # a segment's levels cost something
+    assert min(s0, s1) >= 0  # fitted, never below zero (how much: a timing, not asserted)
     # a tensor the compressor cuts as finely as blocks of 64: no segments to time, said
     with pytest.raises(ValueError, match="segment_values.*more than 4096"):
         calibrate.calibrate(None, sizes=(256,), ranks=(2,), reps=1, members=1, tables=1,
