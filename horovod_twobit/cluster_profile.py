@@ -44,28 +44,19 @@ def from_cluster(host_profiles, allreduce1_s, nranks, cycle_s=1e-3, name="cluste
             for n, N, secs in p["points"][k]:
                 at.setdefault((int(n), int(N)), []).append(secs)
         points[k] = [(n, N, statistics.median(v)) for (n, N), v in sorted(at.items())]
-    bucket = None
-    if all(p.get("member_points") for p in profs):
-        first = profs[0]["member_points"]
-        bucket = dict(first, points={
-            k: [(N, statistics.median(secs for p in profs
-                                      for m, secs in p["member_points"]["points"][k] if m == N))
-                for N, _ in v] for k, v in first["points"].items()})
-    extra = {}  # the bucket of tables and the tensor in segments: rows (N, more, fewer)
-    for entry in ("table_points", "segment_points"):
-        if all(p.get(entry) for p in profs):
-            first = profs[0][entry]
-            extra[entry] = dict(first, points={k: [
-                (N,) + tuple(statistics.median(row[j] for p in profs
-                                               for row in p[entry]["points"][k] if row[0] == N)
-                             for j in (1, 2))
-                for N, _, _ in v] for k, v in first["points"].items()})
+    # the buckets of members and of tables, the tensor in segments: per N, the hosts' median
+    # of each timing (rows (N, seconds) or (N, more, fewer))
+    timed = {entry: dict(profs[0][entry], points={k: [
+        (row[0],) + tuple(statistics.median(r[j] for p in profs
+                                            for r in p[entry]["points"][k] if r[0] == row[0])
+                          for j in range(1, len(row)))
+        for row in v] for k, v in profs[0][entry]["points"].items()})
+        for entry in ("member_points", "table_points", "segment_points")
+        if all(p.get(entry) for p in profs)}
     prof = {k: v for k, v in profs[0].items()
             if k not in ("member_points", "codec_members", "table_points", "codec_tables",
                          "segment_points", "codec_segments")}
-    if bucket:
-        prof["member_points"] = bucket
-    prof.update(extra)
+    prof.update(timed)
     prof = refit(dict(prof, name=name, points=points))
     for k, v in profs[0].items():
         if k.endswith("_s") or k.endswith("_per_byte"):
