@@ -374,3 +374,28 @@ def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
         assert sorted(prof[entry]["keys"]) == auto
         assert [row[0] for row in prof[points]["points"]["encode_auto"]] == [2, 4, 8]
     assert "calibrated 2 hosts" in proc.stdout
+
+
+def test_probe_groups_records_every_handle_after_backward(vc, tmp_path):
+    """examples/probe_groups.py: on every host and step, every gradient's allreduce is seen done
+    once, not before backward ended; the printed count of collectives per step is what the
+    handles' completion times give, and one step's handles of one collective count once."""
+    out = tmp_path / "groups.json"
+    res = vc.horovodrun(1, [sys.executable, os.path.join(REPO, "examples", "probe_groups.py"),
+                            "--model", "cnn", "--steps", "3", "--warmup", "1", "--out", str(out)],
+                        hosts=2, timeout=200, env=job_env())
+    assert res.returncode == 0, res
+    data = json.load(open(out))
+    assert data["hosts"] == 2 and len(data["steps"]) == 2
+    for host in data["steps"]:
+        assert len(host) == 3
+        for step in host:
+            assert len(step["done_s"]) == 8  # the CNN's 4 weights and 4 biases
+            assert min(step["done_s"].values()) >= step["backward_s"]
+            assert step["step_s"] >= max(step["done_s"].values())
+    assert re.search(r"collectives per step \(the most any host saw\): \d+ in \d+ steps",
+                     res.output)
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    from probe_groups import groups
+    assert groups([0.0010, 0.0011, 0.0030, 0.0012], 0.0003) == [(0.0012, 3), (0.0030, 1)]
+    assert groups([], 0.0003) == []
