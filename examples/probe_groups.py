@@ -53,8 +53,8 @@ def main(argv=None):
     import torch
     import horovod.torch as hvd
     from examples import _cluster_worker as worker
-    wargs = argparse.Namespace(model=args.model, mlp_hidden=4096, mlp_in=1024, cnn_channels=16,
-                               threshold=None, bucket_bytes=None, lr=0.1, spin_wait=False)
+    from examples.bench_cluster import parser as bench_parser
+    wargs = bench_parser().parse_args(["--model", args.model])  # bench_cluster's worker defaults
     torch.set_num_threads(1)
     runs, rank, size, barrier = worker.horovod_setup(wargs, ["none"])
     d = float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
@@ -62,7 +62,7 @@ def main(argv=None):
     names = {p: n for n, p in net.named_parameters()}
     steps = []
     for i in range(args.warmup + args.steps):
-        x, y = batch(rank, i, 16)
+        x, y = batch(rank, i, wargs.batch)
         barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
