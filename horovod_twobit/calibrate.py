@@ -32,10 +32,9 @@ def calibrate(path=None, sizes=SIZES, ranks=(2, 4, 8), threads=1, compiled=True,
     ``threads`` threads; as a step runs them: eager below the codec's switch to its compiled
     bodies, ``COMPILE_MIN_NUMEL`` values, compiled from there, a size just below the switch
     timed too where ``sizes`` straddle it (:func:`timed_sizes`); every size eager with
-    ``compiled=False``; the ones
-    ``horovod_twobit.benchmarks.codec`` times, plus the "auto" and scatter ones) and the costs the
-    model takes per value (sums, copies, casts, the optimizer, the kernel's TCP work per byte, the
-    software latency of a message). Each codec call is fitted as ``c0 + c1 N + n (a + b N)`` from
+    ``compiled=False``; the ones ``horovod_twobit.benchmarks.codec`` times, plus the "auto" and
+    scatter ones) and the costs the model takes per value (sums, copies, casts, the optimizer,
+    the kernel's TCP work per byte, the software latency of a message). Each codec call is fitted as ``c0 + c1 N + n (a + b N)`` from
     the sizes and rank counts timed, and by size (:func:`_fit_by_size`); its cost per member of
     a bucket from a bucket of ``members`` members (:func:`_fit_members`; 0 or 1: not timed);
     an "auto" call's cost per table of segments from a bucket of ``tables`` tables against its
@@ -82,7 +81,7 @@ def calibrate(path=None, sizes=SIZES, ranks=(2, 4, 8), threads=1, compiled=True,
                 for key, secs in _time_codec(int(n), int(N), reps, timer, device).items():
                     points[key].append((int(n), int(N), secs))
         codec = {k: _fit(v) for k, v in points.items()}
-        by_size = {"sizes": sorted({int(n) for n in sizes}),
+        by_size = {"sizes": sizes,  # timed_sizes: ascending, no repeats
                    "keys": {k: _fit_by_size(v) for k, v in points.items()}}
         bucket = None
         if members and int(members) > 1:
@@ -92,6 +91,7 @@ def calibrate(path=None, sizes=SIZES, ranks=(2, 4, 8), threads=1, compiled=True,
                 for key, secs in _time_codec(n, int(N), reps, timer, device,
                                              int(members)).items():
                     bucket["points"][key].append((int(N), secs))
+
         def paired(more, fewer):  # "auto" only, at every N: {key: [(N, seconds, seconds)]}
             points = {}
             for N in ranks:
