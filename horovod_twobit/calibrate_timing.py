@@ -161,7 +161,10 @@ def _time_per_value(n, reps, timer=None, device="cpu"):
     half = torch.empty(n, dtype=torch.float16, device=device)
     d = torch.empty(n, device=device)
     m, q = torch.randn(2048, 2048, device=device), torch.randn(2048, 4, device=device)
-    return {
+    out = {}
+    if torch.device(device).type == "cpu":  # a GPU's caching allocator maps nothing per step
+        out["page_s"] = _time_page(reps, timer)
+    return {**out,
         "sum_fp32_s": _median_time(lambda: torch.add(a, b, out=o), reps, timer) / n,
         "sum_fp16_s": _median_time(add16, reps, timer) / (n // 4),
         "cast_fp16_s": _median_time(lambda: half.copy_(a), reps, timer) / n,
@@ -169,6 +172,19 @@ def _time_per_value(n, reps, timer=None, device="cpu"):
         "optimizer_s": _median_time(opt.step, reps, timer) / n,
         "powersgd_s": _median_time(lambda: m @ q, reps, timer) / (2048 * 2048 * 4),
     }
+
+
+def _time_page(reps, timer=None, nbytes=64 << 20):
+    """Seconds per page of a buffer allocated anew, written once and freed, beyond writing a kept
+    buffer of the same size: the kernel's fault, zero-fill and unmap of each page, which a step
+    pays for every buffer of at least 32 MiB it allocates (:func:`horovod_twobit.exchange_units.
+    fresh_pages`)."""
+    import torch
+    from .exchange_units import PAGE_BYTES
+    kept = torch.empty(nbytes, dtype=torch.uint8)
+    fresh = _median_time(lambda: torch.empty(nbytes, dtype=torch.uint8).fill_(1), reps, timer)
+    reused = _median_time(lambda: kept.fill_(1), reps, timer)
+    return max(0.0, fresh - reused) / (nbytes // PAGE_BYTES)
 
 
 def _time_network(nbytes=64 << 20, rounds=2000, timer=None, dilation=1.0):

@@ -14,6 +14,19 @@ from . import scatter_wire as _sw
 from . import wire as _wire
 from .profile import bandwidth_bound_profile, codec_s
 
+PAGE_BYTES = 4096
+# glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): an allocation of at least
+# this much is mapped fresh and unmapped when freed, however far the threshold has grown
+FRESH_MAP_BYTES = 32 << 20
+
+
+def fresh_pages(nbytes):
+    """Pages of a buffer of ``nbytes`` that a step allocates anew and the kernel faults in and
+    zero-fills every time: all of them from :data:`FRESH_MAP_BYTES` up (torch's CPU allocator
+    keeps no cache; glibc maps such a buffer fresh each step), none below (the heap reuses its
+    memory). A device profile charges each ``page_s`` (measured on CPU hosts, else 0)."""
+    return -(-int(nbytes) // PAGE_BYTES) if nbytes >= FRESH_MAP_BYTES else 0
+
 
 def scatter_words(lay, nranks):
     """(sum over owners of phase-1 chunk words, sum over owners of phase-2 words) for a layout:
@@ -46,13 +59,14 @@ class Unit:
     """One thing the exchange sends: a tensor (allreduce) or a TwoBit bucket."""
 
     __slots__ = ("members", "values", "kind", "bytes", "bytes2", "encode", "owner", "decode",
-                 "ready", "done", "dtype_bytes")
+                 "ready", "done", "dtype_bytes", "pages")
 
     def __init__(self, members, values, kind):
         self.members, self.values, self.kind = members, values, kind
         self.bytes = self.bytes2 = self.encode = self.owner = self.decode = 0.0
         self.ready = self.done = 0.0
         self.dtype_bytes = 4
+        self.pages = 0  # pages it maps fresh per step (:func:`fresh_pages`), in its codec's cost
 
 
 _CACHE = {}
@@ -64,17 +78,18 @@ def units(sizes, method, nranks, prof, bucket_bytes):
     key = (tuple(sizes), method, nranks, bucket_bytes,
            json.dumps([prof["codec"], prof.get("codec_by_size"), prof.get("codec_members"),
                        prof.get("codec_tables"), prof.get("codec_segments"),
-                       prof["cast_fp16_s"]], sort_keys=True))
+                       prof["cast_fp16_s"], prof.get("page_s", 0.0)], sort_keys=True))
     if key not in _CACHE:
         if len(_CACHE) > 4096:
             _CACHE.clear()
         _CACHE[key] = [(u.members, u.values, u.kind, u.bytes, u.bytes2, u.encode, u.owner,
-                        u.decode, u.dtype_bytes)
+                        u.decode, u.dtype_bytes, u.pages)
                        for u in _make(sizes, method, nranks, prof, bucket_bytes)]
     out = []
-    for members, values, kind, b1, b2, enc, own, dec, db in _CACHE[key]:
+    for members, values, kind, b1, b2, enc, own, dec, db, pages in _CACHE[key]:
         u = Unit(members, values, kind)
         u.bytes, u.bytes2, u.encode, u.owner, u.decode, u.dtype_bytes = b1, b2, enc, own, dec, db
+        u.pages = pages
         out.append(u)
     return out
 
@@ -88,8 +103,11 @@ def _make(sizes, method, nranks, prof, bucket_bytes):
             if sizes[i]:
                 u = Unit([i], sizes[i], "allreduce")
                 u.dtype_bytes = 2 if method == "fp16" else 4
-                if method == "fp16":
-                    u.encode = u.decode = sizes[i] * prof["cast_fp16_s"]
+                if method == "fp16":  # a float16 copy, then a float32 result
+                    cast, page = sizes[i] * prof["cast_fp16_s"], prof.get("page_s", 0.0)
+                    half, result = fresh_pages(2 * sizes[i]), fresh_pages(4 * sizes[i])
+                    u.encode, u.decode = cast + half * page, cast + result * page
+                    u.pages = half + result
                 out.append(u)
         return out
     auto = method in ("auto", "scatter_auto")
@@ -132,6 +150,8 @@ def bucket_unit(lay, exchange, nranks, prof, members=None):
     else:
         u.bytes = 4.0 * lay.payload_words        # sent to each of the N - 1 others
         u.encode, u.decode = cost("encode"), cost("finish")
+        u.pages = fresh_pages(N * u.bytes)       # the gathered payloads, Horovod's output
+        u.decode += u.pages * prof.get("page_s", 0.0)
     return u
 
 

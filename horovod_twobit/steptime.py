@@ -35,6 +35,12 @@ What one step is made of, on one host (the ranks are alike):
 * **decode** (the decode-sum of N payloads and the residual update) on the training thread, bucket
   by bucket as ``synchronize`` reaches them, overlapping the collectives still running.
 * the optimizer's update of every value.
+* **pages mapped fresh**: a buffer of at least 32 MiB that a step allocates anew (fp16's float16
+  copy and float32 result; TwoBit's gathered payloads, Horovod's allgather output) is mapped
+  fresh every step, and the kernel faults in and zero-fills each of its pages
+  (:func:`~horovod_twobit.exchange_units.fresh_pages`); each costs the profile's ``page_s``
+  (measured by :func:`horovod_twobit.calibrate.calibrate` on a CPU; 0 where a profile has
+  none), charged with the codec call that allocates it.
 * the **framework's** own CPU work (:func:`framework_s`: Horovod's hooks, enqueueing and
   synchronize, TwoBit's buckets), per gradient tensor in backward and per step at its end, where
   the profile has it (measured on a virtual cluster's hosts; 0 otherwise).
@@ -203,7 +209,7 @@ def predict(sizes, method, nranks, rate, compute_s, profile, latency_s=25e-6, cy
     return Prediction(method, step, {
         "compute": compute_s, "codec": codec, "exchange": wire_s, "optimizer": opt,
         "framework": framework, "bytes_sent": sent, "cpu": cpu, "bound": bound,
-        "collectives": len(step_units)})
+        "collectives": len(step_units), "fresh_pages": sum(u.pages for u in step_units)})
 
 
 def straggler_s(prof, nranks):
