@@ -23,8 +23,9 @@ FRESH_MAP_BYTES = 32 << 20
 def fresh_pages(nbytes):
     """Pages of a buffer of ``nbytes`` that a step allocates anew and the kernel faults in and
     zero-fills every time: all of them from :data:`FRESH_MAP_BYTES` up (torch's CPU allocator
-    keeps no cache; glibc maps such a buffer fresh each step), none below (the heap reuses its
-    memory). A device profile charges each ``page_s`` (measured on CPU hosts, else 0)."""
+    keeps no cache; glibc maps such a buffer fresh each step), none below (there the heap serves
+    it, and what it faults in again depends on its history, its trim threshold: not counted).
+    A device profile charges each ``page_s`` (measured on CPU hosts, else 0)."""
     return -(-int(nbytes) // PAGE_BYTES) if nbytes >= FRESH_MAP_BYTES else 0
 
 

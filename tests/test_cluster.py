@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -402,3 +403,26 @@ def test_probe_groups_records_every_handle_after_backward(vc, tmp_path, monkeypa
               for i in range(3)]
     assert printed.group(1).strip() == ", ".join(
         "%d in %d steps" % (k, counts.count(k)) for k in sorted(set(counts)))
+
+
+def test_probe_cycles_times_the_idle_thread_and_three_optimizers(vc, tmp_path):
+    """examples/probe_cycles.py: every host reports its idle Horovod's CPU, and per method the
+    steps it timed; no compression in one group trains exactly as no compression (the same
+    losses, step by step: the same sums of 2 ranks), and the printed medians are the records'."""
+    out = tmp_path / "cycles.json"
+    res = vc.horovodrun(1, [sys.executable, os.path.join(REPO, "examples", "probe_cycles.py"),
+                            "--model", "cnn", "--steps", "3", "--warmup", "1", "--idle-s", "0.3",
+                            "--out", str(out)], hosts=2, timeout=200, env=job_env())
+    assert res.returncode == 0, res
+    data = json.load(open(out))
+    assert data["ranks"] == 2 and len(data["every"]) == 2
+    for e in data["every"]:
+        assert e["idle_cpu"] > 0  # the background thread cycles with nothing to send
+        for m in ("none", "none_one_group", "twobit"):
+            r = e["methods"][m]
+            assert len(r["step_s"]) == 3 and all(
+                b <= s for b, s in zip(r["backward_s"], r["step_s"]))
+        assert e["methods"]["none_one_group"]["loss"] == e["methods"]["none"]["loss"]
+    slowest = statistics.median(max(e["methods"]["none_one_group"]["step_s"][j]
+                                    for e in data["every"]) for j in range(3))
+    assert "none_one_group  step %.2f ms" % (1e3 * slowest) in res.output
