@@ -151,8 +151,9 @@ def _burst(rate, bench_args, burst_bytes=None):
 def _parts_against(r, p):
     """What the model lacks, row by row: the measured codec and CPU per step against the
     predicted, the pages first touched per step (the process's minor faults) against the pages
-    the model has the step map fresh, and the spread (the measured step, the slowest host's, less the median host's
-    compute + codec + wait; None where bench_cluster did not record the parts)."""
+    the model has the step map fresh, and the spread (the measured step, the slowest host's,
+    less the median host's compute + codec + wait; None where bench_cluster did not record the
+    parts)."""
     parts = [r.get(k) for k in ("compute_s", "codec_s", "wait_s")]
     return {"codec_measured_s": r.get("codec_s"), "codec_predicted_s": p.parts["codec"],
             "cpu_measured_s": r.get("cpu_step_s"), "cpu_predicted_s": p.parts["cpu"],
