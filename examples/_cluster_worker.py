@@ -194,6 +194,20 @@ def horovod_setup(args, methods):
     return runs, hvd.rank(), hvd.size(), barrier
 
 
+def probe_setup(model, methods):
+    """What the probes (``examples/probe_*.py``) start with on every rank: bench_cluster's worker
+    options for ``model`` (its parser's defaults), one intra-op thread, :func:`horovod_setup` of
+    ``methods`` and the cluster's dilation D (1 off a virtual cluster).
+    Returns (worker options, runs, rank, size, barrier, D)."""
+    import torch
+    from examples.bench_cluster import parser as bench_parser
+    wargs = bench_parser().parse_args(["--model", model])
+    torch.set_num_threads(1)
+    runs, rank, size, barrier = horovod_setup(wargs, methods)
+    return wargs, runs, rank, size, barrier, float(
+        os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+
+
 def dilated_twobit_waits():
     """On a dilated cluster (docs/emulation.md) a real host's polls come D times less often in
     the cluster's time: TwoBit's waits (``horovod_twobit.torch.progress``: 20 us doubling up to

@@ -47,11 +47,7 @@ def main(argv=None):
     import torch
     import horovod.torch as hvd
     from examples import _cluster_worker as worker
-    from examples.bench_cluster import parser as bench_parser
-    wargs = bench_parser().parse_args(["--model", args.model])  # bench_cluster's worker defaults
-    torch.set_num_threads(1)
-    runs, rank, size, barrier = worker.horovod_setup(wargs, ["none", "twobit"])
-    d = float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+    wargs, runs, rank, size, barrier, d = worker.probe_setup(args.model, ["none", "twobit"])
     net, batch = worker.build(args.model, wargs)
     net.load_state_dict(runs[0][1].state_dict())
     grouped = hvd.DistributedOptimizer(

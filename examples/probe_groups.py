@@ -50,14 +50,9 @@ def main(argv=None):
                     help="handles done within this many real-host ms are one collective")
     ap.add_argument("--out", default=None, help="JSON of every host's steps (rank 0 writes it)")
     args = ap.parse_args(argv)
-    import torch
     import horovod.torch as hvd
     from examples import _cluster_worker as worker
-    from examples.bench_cluster import parser as bench_parser
-    wargs = bench_parser().parse_args(["--model", args.model])  # bench_cluster's worker defaults
-    torch.set_num_threads(1)
-    runs, rank, size, barrier = worker.horovod_setup(wargs, ["none"])
-    d = float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+    wargs, runs, rank, size, barrier, d = worker.probe_setup(args.model, ["none"])
     _, net, model, batch, opt = runs[0]
     names = {p: n for n, p in net.named_parameters()}
     steps = []
