@@ -161,10 +161,7 @@ def _time_per_value(n, reps, timer=None, device="cpu"):
     half = torch.empty(n, dtype=torch.float16, device=device)
     d = torch.empty(n, device=device)
     m, q = torch.randn(2048, 2048, device=device), torch.randn(2048, 4, device=device)
-    out = {}
-    if torch.device(device).type == "cpu":  # a GPU's caching allocator maps nothing per step
-        out["page_s"] = _time_page(reps, timer)
-    return {**out,
+    per = {
         "sum_fp32_s": _median_time(lambda: torch.add(a, b, out=o), reps, timer) / n,
         "sum_fp16_s": _median_time(add16, reps, timer) / (n // 4),
         "cast_fp16_s": _median_time(lambda: half.copy_(a), reps, timer) / n,
@@ -172,6 +169,9 @@ def _time_per_value(n, reps, timer=None, device="cpu"):
         "optimizer_s": _median_time(opt.step, reps, timer) / n,
         "powersgd_s": _median_time(lambda: m @ q, reps, timer) / (2048 * 2048 * 4),
     }
+    if torch.device(device).type == "cpu":  # a GPU's caching allocator maps nothing per step
+        per["page_s"] = _time_page(reps, timer)
+    return per
 
 
 def _time_page(reps, timer=None, nbytes=64 << 20):
