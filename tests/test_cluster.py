@@ -426,3 +426,25 @@ def test_probe_cycles_times_the_idle_thread_and_three_optimizers(vc, tmp_path):
     slowest = statistics.median(max(e["methods"]["none_one_group"]["step_s"][j]
                                     for e in data["every"]) for j in range(3))
     assert "none_one_group  step %.2f ms" % (1e3 * slowest) in res.output
+
+
+def test_probe_allgather_times_both_collectives_per_size(vc, tmp_path):
+    """examples/probe_allgather.py: on 2 virtual hosts, per part size, every host records one
+    allgather and one allreduce per round (the first untimed), the gathered parts are checked on
+    every host, and the printed medians are the slowest host's of the records."""
+    out = tmp_path / "allgather.json"
+    res = vc.horovodrun(1, [sys.executable, os.path.join(REPO, "examples", "probe_allgather.py"),
+                            "--sizes", "0.1,0.3", "--rounds", "3", "--idle-s", "0.01",
+                            "--out", str(out)], hosts=2, timeout=200, env=job_env())
+    assert res.returncode == 0, res
+    data = json.load(open(out))
+    assert data["ranks"] == 2 and data["sizes"] == [100000, 300000]
+    assert sorted(e["rank"] for e in data["every"]) == [0, 1]
+    for s in data["sizes"]:
+        for e in data["every"]:
+            assert [len(e["times"][str(s)][k]) for k in ("allgather", "allreduce")] == [4, 4]
+            assert all(t > 0 for k in ("allgather", "allreduce") for t in e["times"][str(s)][k])
+        med = {k: statistics.median(max(e["times"][str(s)][k][j] for e in data["every"])
+                                    for j in range(1, 4)) for k in ("allgather", "allreduce")}
+        assert ("%.2f MB per rank: allgather %.1f ms, allreduce of the same bytes per host %.1f ms"
+                % (s / 1e6, 1e3 * med["allgather"], 1e3 * med["allreduce"])) in res.output

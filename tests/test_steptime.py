@@ -619,3 +619,32 @@ def test_rates_by_size_are_checked(tmp_path):
     path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="codec_by_size"):
         steptime.load_profile(str(path))
+
+
+def test_two_ranks_allgather_sends_then_receives_on_cpu_hosts():
+    """Gloo's ring allgather between two ranks (one peer on both sides) sends and then receives:
+    on a CPU profile its bytes cost twice their time at 2 ranks, and only there: not at 3 or 4,
+    not for the allreduce or the alltoall, not on a GPU profile (NCCL). A 2-rank TwoBit step
+    rises by one payload's time more, and no compression's not at all."""
+    from horovod_twobit import collectives
+    gpu = steptime.load_profile("h200")
+    assert CPU["serial"] and not gpu["serial"]
+    nbytes = 4 << 20
+
+    for kind in ("allgather", "scatter_allgather"):
+        assert collectives.one_peer(kind, 2, CPU) == 2.0
+        assert collectives.one_peer(kind, 2, gpu) == 1.0
+        assert [collectives.one_peer(kind, n, CPU) for n in (3, 4, 64)] == [1.0] * 3
+        wire = collectives.Wire.of_link(2, "1gbit", 0.0, CPU)
+        both = collectives.collective_seconds(kind, 2, nbytes, 1, wire, CPU)
+        once = collectives.collective_seconds(kind, 2, nbytes, 1, wire, dict(CPU, serial=False))
+        assert both - once == pytest.approx(nbytes * wire.beta, rel=1e-9)
+    for kind in ("allreduce", "alltoall"):
+        assert collectives.one_peer(kind, 2, CPU) == 1.0
+    sizes = [1 << 22]
+    payload = steptime.exchange_bytes(sizes, "twobit", 2)
+    wire = collectives.Wire.of_link(2, "100mbit", 0.0, CPU)
+    step = lambda m, p: steptime.predict(sizes, m, 2, "100mbit", 0.01, p).step_s  # noqa: E731
+    assert step("twobit", CPU) - step("twobit", dict(CPU, serial=False)) == pytest.approx(
+        payload * wire.beta, rel=1e-6)
+    assert step("none", CPU) == step("none", dict(CPU, serial=False))
