@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from horovod_twobit import calibrate_timing, steptime
 from horovod_twobit.exchange_units import FRESH_MAP_BYTES, PAGE_BYTES, fresh_pages
