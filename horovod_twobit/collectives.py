@@ -96,9 +96,10 @@ def one_peer(kind, nranks, prof):
     between two ranks, whose one peer is both the rank it sends to and the one it receives from
     and whose send and receive then go one after the other (``examples/probe_allgather.py`` on
     2 virtual hosts: 1.4-1.9x an allreduce sending each host the same bytes, at 100 Mbit/s and
-    1 Gbit/s; 1.06-1.07x on 4 hosts, where the ring's two neighbours differ); 1 otherwise.
-    Gloo moves Horovod's CPU tensors: the profiles of CPU hosts (``serial``) pay it, the GPU
-    ones (NCCL) do not."""
+    1 Gbit/s; 0.6-1.1x on 4 hosts, where the ring's two neighbours differ); 1 otherwise. What
+    a link's token bucket sends at once is sent at once both ways (:func:`schedule`). Gloo moves
+    Horovod's CPU tensors: the profiles of CPU hosts (``serial``) pay it, the GPU ones (NCCL)
+    do not."""
     both = kind in ("allgather", "scatter_allgather") and int(nranks) == 2
     return 2.0 if both and prof.get("serial") else 1.0
 
@@ -138,7 +139,7 @@ def schedule(order, N, wire, prof, fusion_bytes, backward_end, busy_rate, tokens
                 tokens = min(wire.burst, tokens + (start - free) / wire.beta)
             used = min(tokens, sent_bytes(kind, N, nbytes))
             tokens -= used
-            dur -= used * wire.beta  # sent at once, out of the bucket
+            dur -= used * wire.beta * one_peer(kind, N, prof)  # sent at once, out of the bucket
         first = start if first is None else first
         end = collective_end(start, wire.fixed + dur, backward_end, busy_rate)
         wire_s += wire.fixed + dur

@@ -648,3 +648,10 @@ def test_two_ranks_allgather_sends_then_receives_on_cpu_hosts():
     assert step("twobit", CPU) - step("twobit", dict(CPU, serial=False)) == pytest.approx(
         payload * wire.beta, rel=1e-6)
     assert step("none", CPU) == step("none", dict(CPU, serial=False))
+    # a payload the links' token buckets hold (refilled during a long compute) goes at once,
+    # both ways
+    wire_s = lambda p, burst: steptime.predict(  # noqa: E731
+        sizes, "twobit", 2, "100mbit", 1.0, p, burst_bytes=burst).parts["exchange"]
+    assert wire_s(CPU, 2 * payload) == pytest.approx(wire_s(dict(CPU, serial=False), 2 * payload))
+    assert wire_s(CPU, payload / 2) - wire_s(dict(CPU, serial=False), payload / 2) == pytest.approx(
+        payload / 2 * wire.beta, rel=1e-6)
