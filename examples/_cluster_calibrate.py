@@ -8,7 +8,7 @@ import os
 import statistics
 import time
 
-from examples._cluster_worker import progress, sleeping_waits
+from examples._cluster_worker import dilation, progress, sleeping_waits
 
 
 def calibrate_worker(args):
@@ -27,7 +27,7 @@ def calibrate_worker(args):
     torch.set_num_threads(args.threads)
     hvd.init()
     rank = hvd.rank()
-    d = float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+    d = dilation()
     hvd.allreduce(torch.zeros(1), name="calibrate.start", op=hvd.Sum)
     progress(rank, "codec rates on every host (wall seconds / %g)" % d)
     prof = calibrate.calibrate(sizes=[int(s) for s in args.calibrate_sizes.split(",")],

@@ -194,6 +194,12 @@ def horovod_setup(args, methods):
     return runs, hvd.rank(), hvd.size(), barrier
 
 
+def dilation():
+    """The time dilation D of the virtual cluster this process runs on (its jobs' environment,
+    ``HVDTB_CLUSTER_DILATION``), 1 off one: wall seconds / D are a real host's."""
+    return float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+
+
 def probe_setup(model, methods):
     """What the probes (``examples/probe_*.py``) start with on every rank: bench_cluster's worker
     options for ``model`` (its parser's defaults), one intra-op thread, :func:`horovod_setup` of
@@ -204,8 +210,7 @@ def probe_setup(model, methods):
     wargs = bench_parser().parse_args(["--model", model])
     torch.set_num_threads(1)
     runs, rank, size, barrier = horovod_setup(wargs, methods)
-    return wargs, runs, rank, size, barrier, float(
-        os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+    return wargs, runs, rank, size, barrier, dilation()
 
 
 def dilated_twobit_waits():
@@ -213,7 +218,7 @@ def dilated_twobit_waits():
     the cluster's time: TwoBit's waits (``horovod_twobit.torch.progress``: 20 us doubling up to
     0.5 ms) then sleep D times longer. Returns (first, longest) sleep in seconds."""
     from horovod_twobit.torch import progress as twobit_waits
-    d = float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+    d = dilation()
     twobit_waits.POLL_S = tuple(d * s for s in twobit_waits.DEFAULT_POLL_S)
     return twobit_waits.POLL_S
 

@@ -41,11 +41,11 @@ def worker(rounds):
     import torch
     import horovod.torch as hvd
     import horovod.torch.optimizer as hvd_optimizer
-    from examples._cluster_worker import sleeping_waits
+    from examples._cluster_worker import dilation, sleeping_waits
     torch.set_num_threads(1)
     hvd.init()
     sleeping_waits()
-    d = float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+    d = dilation()
     N = hvd.size()
     calls = {"allreduce": lambda t, n: hvd.allreduce_async(t, name=n, op=hvd.Sum),
              "allgather": lambda t, n: hvd.allgather_async(t, name=n),

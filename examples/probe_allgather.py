@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -41,8 +43,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
     import horovod.torch as hvd
+    from examples._cluster_worker import dilation
     hvd.init()
-    d = float(os.environ.get("HVDTB_CLUSTER_DILATION", "1") or 1)
+    d = dilation()
     rank, n = hvd.rank(), hvd.size()
     sizes = [int(float(s) * 1e6) // 4 * 4 for s in args.sizes.split(",")]
     times = {s: {"allgather": [], "allreduce": []} for s in sizes}
