@@ -78,7 +78,8 @@ def collective_seconds(kind, nranks, nbytes, values, wire, prof, dtype_bytes=4, 
             s += 2 * nbytes * prof["copy_s_per_byte"]
         return s
     if kind == "allgather":  # nbytes: one rank's payload (sum of fused ones); ring
-        return ((N - 1) * alpha + sent_bytes(kind, N, nbytes) * beta * one_peer(kind, N, prof)
+        return ((N - 1) * alpha
+                + sent_bytes(kind, N, nbytes) * beta * allgather_pace(kind, N, prof)
                 + N * nbytes * prof["copy_s_per_byte"])
     if kind == "alltoall":
         # nbytes: what this rank sends to the others. Gloo posts the N - 1 sends and receives at
@@ -87,21 +88,30 @@ def collective_seconds(kind, nranks, nbytes, values, wire, prof, dtype_bytes=4, 
         return (2 * (link_latency + (N - 1) * prof["message_s"])
                 + sent_bytes(kind, N, nbytes) * beta)
     if kind == "scatter_allgather":  # the owners' sums, ring; nbytes: this rank's share already
-        return (N - 1) * alpha + sent_bytes(kind, N, nbytes) * beta * one_peer(kind, N, prof)
+        return ((N - 1) * alpha
+                + sent_bytes(kind, N, nbytes) * beta * allgather_pace(kind, N, prof))
     raise ValueError(kind)
 
 
-def one_peer(kind, nranks, prof):
-    """How many times its bytes' time an allgather's transfer takes: 2 for Gloo's ring allgather
-    between two ranks, whose one peer is both the rank it sends to and the one it receives from
-    and whose send and receive then go one after the other (``examples/probe_allgather.py`` on
-    2 virtual hosts: 1.4-1.9x an allreduce sending each host the same bytes, at 100 Mbit/s and
-    1 Gbit/s; 0.6-1.1x on 4 hosts, where the ring's two neighbours differ); 1 otherwise. What
-    a link's token bucket sends at once is sent at once both ways (:func:`schedule`). Gloo moves
-    Horovod's CPU tensors: the profiles of CPU hosts (``serial``) pay it, the GPU ones (NCCL)
-    do not."""
-    both = kind in ("allgather", "scatter_allgather") and int(nranks) == 2
-    return 2.0 if both and prof.get("serial") else 1.0
+ALLGATHERS = ("allgather", "scatter_allgather")
+
+
+def allgather_pace(kind, nranks, prof):
+    """How many times its bytes' time an allgather's transfer takes, against the allreduce's
+    pace that ``Wire.beta`` holds: the profile's ``allgather_pace`` where it has one (measured
+    at this N: the fallback's link, :func:`horovod_twobit.fallback.figures`); else 2 for Gloo's
+    ring allgather between two ranks, whose one peer is both the rank it sends to and the one
+    it receives from and whose send and receive then go one after the other
+    (``examples/probe_allgather.py`` on 2 virtual hosts: 1.4-1.9x an allreduce sending each
+    host the same bytes, at 100 Mbit/s and 1 Gbit/s; 0.6-1.1x on 4 hosts, where the ring's two
+    neighbours differ), and 1 otherwise. What a link's token bucket sends at once is sent at
+    once both ways (:func:`schedule`). Gloo moves Horovod's CPU tensors: the profiles of CPU
+    hosts (``serial``) pay it, the GPU ones (NCCL) do not. Other kinds: 1."""
+    if kind not in ALLGATHERS:
+        return 1.0
+    if prof.get("allgather_pace") is not None:
+        return float(prof["allgather_pace"])
+    return 2.0 if int(nranks) == 2 and prof.get("serial") else 1.0
 
 
 def schedule(order, N, wire, prof, fusion_bytes, backward_end, busy_rate, tokens):
@@ -139,7 +149,8 @@ def schedule(order, N, wire, prof, fusion_bytes, backward_end, busy_rate, tokens
                 tokens = min(wire.burst, tokens + (start - free) / wire.beta)
             used = min(tokens, sent_bytes(kind, N, nbytes))
             tokens -= used
-            dur -= used * wire.beta * one_peer(kind, N, prof)  # sent at once, out of the bucket
+            # sent at once, out of the bucket
+            dur -= used * wire.beta * allgather_pace(kind, N, prof)
         first = start if first is None else first
         end = collective_end(start, wire.fixed + dur, backward_end, busy_rate)
         wire_s += wire.fixed + dur

@@ -14,6 +14,10 @@ every rank, so every rank decides alike (:func:`figures`, each binding's ``link.
   per-message alpha and cycle are 0 here;
 * a ``BIG``-value allreduce beyond it: the seconds per byte a rank sends in a ring allreduce
   (beta), its reduction and copies included (the profile's sum and copy costs are 0 here);
+* an allgather that sends each rank as many bytes, beyond a one-value one: the allgather's pace
+  against the allreduce's (the profile's ``allgather_pace``; Gloo's allgather between two ranks
+  sends, then receives, and takes up to twice as long:
+  :func:`horovod_twobit.collectives.allgather_pace`);
 * a step's codec work on ``BIG`` and on ``SMALL`` values (one encode and the decode-sum of N
   payloads): the codec's seconds per value and its fixed cost per bucket, the profile's codec
   terms (``n a`` and ``c0``).
@@ -44,13 +48,14 @@ def validate_fallback(fallback):
 class Link:
     """Measured figures: ``rate`` (bytes/s a rank sends in a ring allreduce), ``latency``
     (seconds of a one-value allreduce: the fixed cost of a collective), ``codec`` (values/s of a
-    step's codec work: one encode and the decode-sum of N payloads) and ``codec_fixed`` (seconds
+    step's codec work: one encode and the decode-sum of N payloads), ``codec_fixed`` (seconds
     that work costs a bucket whatever its size: the calls, the levels' reductions, the
-    launches); :meth:`wire` and :meth:`profile` give them to the step-time model."""
+    launches) and ``allgather`` (how many times the allreduce's time per byte an allgather's
+    bytes take); :meth:`wire` and :meth:`profile` give them to the step-time model."""
 
-    def __init__(self, rate, latency, codec, codec_fixed=0.0):
+    def __init__(self, rate, latency, codec, codec_fixed=0.0, allgather=1.0):
         self.rate, self.latency, self.codec = float(rate), float(latency), float(codec)
-        self.codec_fixed = float(codec_fixed)
+        self.codec_fixed, self.allgather = float(codec_fixed), float(allgather)
 
     def wire(self, nranks):
         """The step-time model's :class:`~horovod_twobit.steptime.Wire` of this link."""
@@ -59,16 +64,19 @@ class Link:
     def profile(self):
         """The measured codec as a step-time device profile: the encode's entry carries the
         whole pass timed (an encode and the decode-sum of N payloads, at this N), the other
-        codec entries are 0, and so are the costs the measured rate already holds."""
+        codec entries are 0, and so are the costs the measured rate already holds; the
+        allgather's pace is the measured one."""
         enc, zero = [self.codec_fixed, 0.0, 1.0 / self.codec, 0.0], [0.0] * 4
         return {"name": "fallback", "kind": "measured", "serial": False, "message_s": 0.0,
+                "allgather_pace": self.allgather,
                 "codec": {k: enc if "encode" in k else zero for k in steptime.CODEC_KEYS},
                 **dict.fromkeys(("sum_fp32_s", "sum_fp16_s", "cast_fp16_s", "copy_s_per_byte",
                                  "optimizer_s", "powersgd_s", "kernel_s_per_byte"), 0.0)}
 
     def __repr__(self):
-        return "Link(%.3g bytes/s, %.3g s/collective, codec %.3g values/s + %.3g s/bucket)" % (
-            self.rate, self.latency, self.codec, self.codec_fixed)
+        return ("Link(%.3g bytes/s, %.3g s/collective, codec %.3g values/s + %.3g s/bucket, "
+                "allgather %.2fx)" % (self.rate, self.latency, self.codec, self.codec_fixed,
+                                      self.allgather))
 
 
 def codec_figures(seconds, big=BIG, small=SMALL):
@@ -79,22 +87,38 @@ def codec_figures(seconds, big=BIG, small=SMALL):
     return rate, max(0.0, t_small - small / rate)
 
 
-def figures(nranks, allreduce, codec_seconds, rounds=5):
-    """[rate, latency, codec values/s, codec fixed seconds], the :class:`Link` arguments, from
-    timed allreduces of 1 and ``BIG`` values (``allreduce(values, round)`` runs one; the two
-    sizes take turns, ``rounds`` times, and the best of each counts, so that a change in the
-    machine's load falls on both alike) and the codec pass ``codec_seconds(n)``: what each
-    binding's ``link.measure`` broadcasts from rank 0."""
-    best = {1: float("inf"), BIG: float("inf")}
-    for i in range(rounds):
-        for values in best:
-            t0 = time.perf_counter()
-            allreduce(values, i)
-            best[values] = min(best[values], time.perf_counter() - t0)
+def allgather_values(nranks):
+    """Values per rank of the timed allgather: each rank then sends as many bytes as in the
+    ``BIG``-value ring allreduce, (N - 1) x 2 BIG / N float32 values."""
+    return max(1, 2 * BIG // max(int(nranks), 1))
+
+
+def figures(nranks, allreduce, codec_seconds, rounds=5, allgather=None):
+    """[rate, latency, codec values/s, codec fixed seconds, allgather pace], the :class:`Link`
+    arguments, from timed allreduces of 1 and ``BIG`` values (``allreduce(values, round)`` runs
+    one), allgathers of 1 and :func:`allgather_values` values per rank (``allgather(values,
+    round)``; without it, or on one rank, the pace is 1) and the codec pass
+    ``codec_seconds(n)``: what each binding's ``link.measure`` broadcasts from rank 0. The
+    collectives take turns, ``rounds`` times, and the best of each counts, so that a change in
+    the machine's load falls on all alike. The allgather's pace: its time beyond the one-value
+    allgather's over the allreduce's beyond the one-value allreduce's, for the same bytes
+    sent."""
     N = max(int(nranks), 1)
+    runs = [(allreduce, 1), (allreduce, BIG)]
+    if allgather is not None and N > 1:
+        runs += [(allgather, 1), (allgather, allgather_values(N))]
+    best = [float("inf")] * len(runs)
+    for i in range(rounds):
+        for k, (run, values) in enumerate(runs):
+            t0 = time.perf_counter()
+            run(values, i)
+            best[k] = min(best[k], time.perf_counter() - t0)
     moved = 2 * (N - 1) / N * 4 * BIG  # bytes each rank sends in a ring allreduce
-    small, big = best[1], best[BIG]
-    return [moved / max(big - small, 1e-9), small, *codec_figures(codec_seconds)]
+    small, big = best[0], best[1]
+    pace = 1.0
+    if len(best) == 4:
+        pace = max(best[3] - best[2], 1e-9) / max(big - small, 1e-9)
+    return [moved / max(big - small, 1e-9), small, *codec_figures(codec_seconds), pace]
 
 
 def decide(decisions, names, layout, nranks, exchange, fallback, link):

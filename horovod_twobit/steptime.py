@@ -27,8 +27,9 @@ What one step is made of, on one host (the ranks are alike):
   bytes at the link's rate (beta: ``rate`` per host, less TCP/IP framing), by the project's own
   formats (:mod:`horovod_twobit.scatter_wire`, the allgather payload of
   :mod:`horovod_twobit.layout`; an allgather between two ranks on CPU hosts pays its bytes
-  twice, :func:`~horovod_twobit.collectives.one_peer`); the ring allreduce adds its reduction
-  (per value, for float32 and float16 sums) and the fusion buffer's copies. The scatter
+  twice, or at the pace a profile measured, :func:`~horovod_twobit.collectives.allgather_pace`);
+  the ring allreduce adds its reduction (per value, for float32 and float16 sums) and the
+  fusion buffer's copies. The scatter
   exchange's owner reduction sits between its alltoall and its allgather. On a host of one
   core (a ``serial`` profile measured with ``collective_loaded_s``), a collective that runs
   while backward computes progresses at ``collective_s / collective_loaded_s`` of its pace

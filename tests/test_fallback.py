@@ -70,6 +70,11 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
             assert np.isfinite(ranks[0][n]).all()
     if mode == "auto":
         assert "Link(" in str(ranks[0]["link"]) and "bytes/s" in str(ranks[0]["link"])
+        # the allgather was timed (an untimed one leaves the pace at exactly 1), rank 0's pace
+        # on every rank
+        paces = [r["link_allgather"].tolist() for r in ranks]
+        assert paces[0] and all(p == paces[0] for p in paces), paces
+        assert all(np.isfinite(p) and p > 0 and p != 1.0 for p in paces[0]), paces
         # logged once per bucket and rank: 2 buckets in the "always" and the "auto" configuration
         assert res.output.count("horovod-twobit: bucket") == 8, res
     if "repr" in ranks[0]:
@@ -154,8 +159,71 @@ def test_link_figures_from_allreduces_in_turns(monkeypatch):
         calls.append(values)
         clock[0] += (1e-3 if values == 1 else 5e-3) + (0.05 if i == 0 else 0.0)
     monkeypatch.setattr(fallback.time, "perf_counter", lambda: clock[0])
-    rate, latency, codec, fixed = fallback.figures(4, allreduce, lambda n: 1e-4 + n / 1e8)
+    rate, latency, codec, fixed, pace = fallback.figures(4, allreduce, lambda n: 1e-4 + n / 1e8)
     assert calls == [1, fallback.BIG] * 5
+    assert pace == 1.0  # no allgather timed
     assert latency == pytest.approx(1e-3)
     assert rate == pytest.approx(2 * 3 / 4 * 4 * fallback.BIG / 4e-3)
     assert codec == pytest.approx(fallback.BIG / (1e-4 + fallback.BIG / 1e8))
+
+
+def test_link_times_an_allgather_of_the_allreduces_bytes(monkeypatch):
+    """With an allgather to time, the link takes turns over four collectives, and the allgather's
+    pace is its time beyond a one-value allgather's over the allreduce's beyond a one-value
+    allreduce's, for the same bytes sent per rank: (N - 1) x 2 BIG / N float32 values, as the
+    BIG-value ring allreduce's 2 (N - 1) / N x 4 BIG bytes."""
+    from horovod_twobit import fallback
+    clock, calls = [0.0], []
+
+    def timed(kind, fixed, per_value):
+        def run(values, i):
+            calls.append((kind, values))
+            clock[0] += fixed + per_value * values + (0.05 if i == 0 else 0.0)
+        return run
+    monkeypatch.setattr(fallback.time, "perf_counter", lambda: clock[0])
+    for N, sent_pace in ((2, 1.8), (4, 0.9)):
+        calls.clear()
+        ag = fallback.allgather_values(N)
+        assert (N - 1) * 4 * ag == 2 * (N - 1) / N * 4 * fallback.BIG
+        # the allreduce: 4 ms per BIG values; the allgather: its bytes at sent_pace x that pace
+        ar_per_value = 4e-3 / fallback.BIG
+        ag_per_value = sent_pace * 4e-3 / ag  # its ag values carry the allreduce's bytes
+        got = fallback.figures(N, timed("allreduce", 1e-3, ar_per_value),
+                               lambda n: 1e-4 + n / 1e8,
+                               allgather=timed("allgather", 3e-3, ag_per_value))
+        assert calls == [("allreduce", 1), ("allreduce", fallback.BIG), ("allgather", 1),
+                         ("allgather", ag)] * 5
+        rate, latency, _, _, pace = got
+        assert latency == pytest.approx(1e-3 + ar_per_value)
+        assert pace == pytest.approx(sent_pace)
+        assert "allgather %.2fx" % sent_pace in repr(fallback.Link(*got))
+    calls.clear()
+    assert fallback.figures(1, timed("allreduce", 1e-3, 0.0), lambda n: 1e-4 + n / 1e8,
+                            allgather=timed("allgather", 3e-3, 0.0))[4] == 1.0
+    assert ("allgather", 1) not in calls  # one rank: nothing to gather
+
+
+def test_measured_allgather_pace_decides_a_close_bucket():
+    """A bucket whose compressed exchange wins by less than its payload's time at the link's
+    pace goes plain where the link measured the allgather at twice the allreduce's time per
+    byte (two ranks over Gloo): the model charges the payload's bytes at the measured pace,
+    for the allgather exchange and for the scatter exchange's allgather of the owners' sums."""
+    from horovod_twobit import scatter_wire, steptime
+    from horovod_twobit.fallback import Link, compress_pays, times
+    from horovod_twobit.layout import Layout
+    lay, N, rate, latency = Layout([1 << 20]), 2, 125e6, 2e-4
+    sent = scatter_wire.rank_bytes(lay, N, 0, "allgather") * (N - 1)
+    plain = latency + 4 * lay.values / rate
+    # the codec takes what leaves compression ahead by half the payload's time at pace 1
+    codec = lay.values / (plain - latency - 1.5 * sent / rate)
+    once, twice = Link(rate, latency, codec), Link(rate, latency, codec, allgather=2.0)
+    assert compress_pays(lay, N, "allgather", once)
+    assert not compress_pays(lay, N, "allgather", twice)
+    assert times(lay, N, "allgather", twice)[0] - times(lay, N, "allgather", once)[0] == \
+        pytest.approx(sent / rate)
+    assert times(lay, N, "allgather", twice)[1] == times(lay, N, "allgather", once)[1]
+    # the scatter exchange: its second phase is an allgather, its alltoall is not
+    u = steptime.bucket_unit(lay, "scatter", N, once.profile())
+    extra = times(lay, N, "scatter", twice)[0] - times(lay, N, "scatter", once)[0]
+    assert extra == pytest.approx(steptime.sent_bytes("scatter_allgather", N, u.bytes2) / rate)
+    assert once.profile()["allgather_pace"] == 1.0 and twice.profile()["allgather_pace"] == 2.0

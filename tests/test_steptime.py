@@ -632,15 +632,21 @@ def test_two_ranks_allgather_sends_then_receives_on_cpu_hosts():
     nbytes = 4 << 20
 
     for kind in ("allgather", "scatter_allgather"):
-        assert collectives.one_peer(kind, 2, CPU) == 2.0
-        assert collectives.one_peer(kind, 2, gpu) == 1.0
-        assert [collectives.one_peer(kind, n, CPU) for n in (3, 4, 64)] == [1.0] * 3
+        assert collectives.allgather_pace(kind, 2, CPU) == 2.0
+        assert collectives.allgather_pace(kind, 2, gpu) == 1.0
+        assert [collectives.allgather_pace(kind, n, CPU) for n in (3, 4, 64)] == [1.0] * 3
         wire = collectives.Wire.of_link(2, "1gbit", 0.0, CPU)
         both = collectives.collective_seconds(kind, 2, nbytes, 1, wire, CPU)
         once = collectives.collective_seconds(kind, 2, nbytes, 1, wire, dict(CPU, serial=False))
         assert both - once == pytest.approx(nbytes * wire.beta, rel=1e-9)
     for kind in ("allreduce", "alltoall"):
-        assert collectives.one_peer(kind, 2, CPU) == 1.0
+        assert collectives.allgather_pace(kind, 2, CPU) == 1.0
+        assert collectives.allgather_pace(kind, 2, dict(CPU, allgather_pace=3.0)) == 1.0
+    # a pace the profile measured (the fallback's link) stands for the rule, at any N
+    for n in (2, 4):
+        for prof in (CPU, gpu):
+            assert collectives.allgather_pace("allgather", n, dict(prof, allgather_pace=1.5)) \
+                == 1.5
     sizes = [1 << 22]
     payload = steptime.exchange_bytes(sizes, "twobit", 2)
     wire = collectives.Wire.of_link(2, "100mbit", 0.0, CPU)

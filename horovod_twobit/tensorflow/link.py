@@ -1,9 +1,9 @@
 """The fallback's measurements (:mod:`horovod_twobit.fallback`) in TensorFlow, as the PyTorch
 binding's (:mod:`horovod_twobit.torch.link`), the step-time model's inputs for its per-bucket
-decision: the link, by timed allreduces of known size through Horovod, and the codec rate, by one
-encode and the decode-sum of N payloads of known size; rank 0's figures are broadcast, so every
-rank decides alike. Runs eagerly: an exchange traced inside a
-``tf.function`` measures under ``tf.init_scope`` while it is being traced, which every rank does
+decision: the link, by timed allreduces and allgathers of known size through Horovod, and the
+codec rate, by one encode and the decode-sum of N payloads of known size; rank 0's figures are
+broadcast, so every rank decides alike. Runs eagerly: an exchange traced inside a ``tf.function``
+measures under ``tf.init_scope`` while it is being traced, which every rank does
 at the same point of its program."""
 
 import time
@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 
-from ..fallback import BIG, Link, figures
+from ..fallback import BIG, Link, allgather_values, figures
 
 
 def _allreduce(process_set):
@@ -22,6 +22,17 @@ def _allreduce(process_set):
     def run(values, i):
         mpi_ops._allreduce(xs[values], name="twobit.link.%d.%d" % (values, i), op=mpi_ops.Sum,
                            process_set=process_set).numpy()
+    return run
+
+
+def _allgather(process_set):
+    """``run(values, i)``: one allgather of ``values`` zeros per rank (1 or
+    :func:`~horovod_twobit.fallback.allgather_values`), the ``i``-th."""
+    xs = {n: tf.zeros([n], tf.float32) for n in (1, allgather_values(process_set.size()))}
+
+    def run(values, i):
+        mpi_ops.allgather(xs[values], name="twobit.link.gather.%d.%d" % (values, i),
+                          process_set=process_set).numpy()
     return run
 
 
@@ -55,7 +66,9 @@ def measure(process_set, compressor):
                            "first exchange is traced; TF1 graph mode cannot: use fallback=None or "
                            "\"always\" there")
     N = process_set.size()
-    got = figures(N, _allreduce(process_set), lambda n: _codec_seconds(compressor, max(N, 1), n))
+    got = figures(N, _allreduce(process_set),
+                  lambda n: _codec_seconds(compressor, max(N, 1), n),
+                  allgather=_allgather(process_set))
     got = mpi_ops.broadcast(tf.constant(got, tf.float64), 0, name="twobit.link.figures",
                             process_set=process_set)
     return Link(*got.numpy().tolist())

@@ -1,7 +1,7 @@
 """The fallback's measurements (:mod:`horovod_twobit.fallback`), the step-time model's inputs for
-its per-bucket decision: the link, by timed allreduces of known size through Horovod, and the
-codec rate, by one encode and the decode-sum of N payloads of known size on this device; rank 0's
-figures are broadcast, so every rank decides alike."""
+its per-bucket decision: the link, by timed allreduces and allgathers of known size through
+Horovod, and the codec rate, by one encode and the decode-sum of N payloads of known size on this
+device; rank 0's figures are broadcast, so every rank decides alike."""
 
 import time
 
@@ -9,7 +9,7 @@ import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
-from ..fallback import BIG, Link, figures
+from ..fallback import BIG, Link, allgather_values, figures
 from ..layout import Layout
 
 
@@ -21,6 +21,18 @@ def _allreduce(process_set, device):
         mpi_ops.synchronize(mpi_ops.allreduce_async_(
             xs[values], name="twobit.link.%d.%d" % (values, i), op=mpi_ops.Sum,
             process_set=process_set))
+    return run
+
+
+def _allgather(process_set, device):
+    """``run(values, i)``: one allgather of ``values`` zeros per rank (1 or
+    :func:`~horovod_twobit.fallback.allgather_values`), the ``i``-th."""
+    xs = {n: torch.zeros(n, dtype=torch.float32, device=device)
+          for n in (1, allgather_values(process_set.size()))}
+
+    def run(values, i):
+        mpi_ops.synchronize(mpi_ops.allgather_async(
+            xs[values], name="twobit.link.gather.%d.%d" % (values, i), process_set=process_set))
     return run
 
 
@@ -49,7 +61,8 @@ def measure(process_set, device, threshold):
     """A :class:`Link` of ``process_set`` from rank 0's measurements."""
     N = process_set.size()
     got = figures(N, _allreduce(process_set, device),
-                  lambda n: _codec_seconds(device, threshold, N, n))
+                  lambda n: _codec_seconds(device, threshold, N, n),
+                  allgather=_allgather(process_set, device))
     got = mpi_ops.broadcast(torch.tensor(got, dtype=torch.float64), 0,
                             name="twobit.link.figures", process_set=process_set)
     return Link(*got.tolist())

@@ -73,6 +73,7 @@ def run(spec):
         rec["w/" + n] = prm.detach().numpy().copy()
     rec["groups"] = np.array([",".join(g) for g in groups])
     rec["link"] = np.array(json.dumps([repr(v) for v in c._links.values()]))
+    rec["link_allgather"] = np.array([v.allgather for v in c._links.values()], dtype=np.float64)
     return rec
 
 
