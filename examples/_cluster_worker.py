@@ -194,6 +194,16 @@ def horovod_setup(args, methods):
     return runs, hvd.rank(), hvd.size(), barrier
 
 
+def fallback_record(compression):
+    """What a ``TwoBitCompressor(..., fallback=...)`` decided, per bucket ("compressed" or
+    "plain"), and the links it measured (their reprs); None for other compressions."""
+    decisions = getattr(compression, "decisions", None)
+    if not decisions:
+        return None
+    return {"decisions": {"%s, %d ranks" % key: got for key, got in decisions.items()},
+            "links": [repr(link) for link in getattr(compression, "_links", {}).values()]}
+
+
 def dilation():
     """The time dilation D of the virtual cluster this process runs on (its jobs' environment,
     ``HVDTB_CLUSTER_DILATION``), 1 off one: wall seconds / D are a real host's."""
@@ -340,11 +350,12 @@ def worker(args):
         progress(rank, "step %d/%d: %s" % (i - args.warmup + 1, args.steps, ", ".join(
             "%s %.2f s" % (m, rec[m]["times"][-1]) for m in methods)))
     barrier()
-    for method, net, _, batch, _ in runs:
+    for method, net, _, batch, opt in runs:
         rec[method].update(eval_loss_start=loss0, eval_loss=eval_loss(net, batch),
                            steps=args.steps,
                            threshold=(args.threshold or THRESHOLDS[args.model])
-                           if TWOBIT.get(method, ("",))[0] == "fixed" else None)
+                           if TWOBIT.get(method, ("",))[0] == "fixed" else None,
+                           fallback=fallback_record(getattr(opt, "_compression", None)))
     res = {"rank": rank, "size": size, "methods": rec,
            "params": sum(p.numel() for p in runs[0][1].parameters())}
     with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:

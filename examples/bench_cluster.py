@@ -217,7 +217,9 @@ def run_job(c, args, model, methods, rate, log):
                      "bytes_per_step": statistics.mean(r["tx"] for r in per_rank) / args.steps,
                      "eval_loss": per_rank[0]["eval_loss"],
                      "eval_loss_start": per_rank[0]["eval_loss_start"],
-                     "threshold": per_rank[0]["threshold"], "job_s": res.seconds})
+                     "threshold": per_rank[0]["threshold"], "job_s": res.seconds,
+                     # fallback="auto": each bucket's decision and the measured link (rank 0's)
+                     "fallback": per_rank[0].get("fallback")})
     return rows
 
 

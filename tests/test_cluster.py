@@ -296,16 +296,18 @@ def test_refuses_clearly_without_root_or_ip_netns(monkeypatch, capsys):
 def test_cluster_benchmark_reports_every_method(tmp_path):
     """examples/bench_cluster.py: the Horovod methods in one job taking turns, a DDP method in its
     own; every method gets a row with its step time, CPU time and bytes, and TwoBit's bytes are
-    the format's fraction of no compression's."""
+    the format's fraction of no compression's; a fallback's row holds its decision per bucket
+    and the link it measured."""
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", "bench_cluster.py"), "--hosts", "2",
-         "--rates", "1gbit", "--models", "cnn", "--methods", "none,twobit,ddp_fp16", "--steps", "3",
+         "--rates", "1gbit", "--models", "cnn", "--methods", "none,twobit,twobit_fallback,ddp_fp16",
+         "--steps", "3",
          "--warmup", "1", "--iface", "hvdbench", "--subnet", "10.77.2.0/24", "--out", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["method"]: r for r in json.load(open(out / "bench_cluster.json"))["results"]}
-    assert sorted(rows) == ["ddp_fp16", "none", "twobit"]
+    assert sorted(rows) == ["ddp_fp16", "none", "twobit", "twobit_fallback"]
     from horovod_twobit.cluster import cpu
     q = os.cpu_count() * 0.8 / 2 if cpu.backends() else None  # the default emulation
     for r in rows.values():
@@ -320,6 +322,11 @@ def test_cluster_benchmark_reports_every_method(tmp_path):
         assert rows[m]["compute_s"] > 0 and rows[m]["wait_s"] >= 0
         assert rows[m]["compute_s"] + rows[m]["codec_s"] < 1.5 * rows[m]["real_step_s"]
     assert rows["ddp_fp16"]["compute_s"] is None  # DDP communicates inside backward
+    fb = rows["twobit_fallback"]["fallback"]  # the CNN's one bucket, decided once
+    assert list(fb["decisions"]) == ["twobit_fallback.10.bias (+7), 2 ranks"], fb
+    assert list(fb["decisions"].values())[0] in ("compressed", "plain")
+    assert len(fb["links"]) == 1 and "allgather" in fb["links"][0] and "Link(" in fb["links"][0]
+    assert rows["none"]["fallback"] is None and rows["twobit"]["fallback"] is None
     assert "step 3/3: " in proc.stdout  # progress while it runs
     assert rows["none"]["job_s"] == rows["twobit"]["job_s"]  # one job for both
     # 19.5 k gradients: 78 kB in fp32 against 4.9 kB in 2 bits, plus headers and control traffic
