@@ -29,11 +29,11 @@ What one step is made of, on one host (the ranks are alike):
   :mod:`horovod_twobit.layout`; an allgather between two ranks on CPU hosts pays its bytes
   twice, or at the pace a profile measured, :func:`~horovod_twobit.collectives.allgather_pace`);
   the ring allreduce adds its reduction (per value, for float32 and float16 sums) and the
-  fusion buffer's copies. The scatter
-  exchange's owner reduction sits between its alltoall and its allgather. On a host of one
-  core (a ``serial`` profile measured with ``collective_loaded_s``), a collective that runs
-  while backward computes progresses at ``collective_s / collective_loaded_s`` of its pace
-  (:func:`loaded_rate`): the background thread waits for the core at its messages.
+  fusion buffer's copies. The scatter exchange's owner reduction sits between its alltoall and
+  its allgather. On a host of one core (a ``serial`` profile measured with
+  ``collective_loaded_s``), a collective that runs while backward computes progresses at
+  ``collective_s / collective_loaded_s`` of its pace (:func:`loaded_rate`): the background
+  thread waits for the core at its messages.
 * **decode** (the decode-sum of N payloads and the residual update) on the training thread, bucket
   by bucket as ``synchronize`` reaches them, overlapping the collectives still running.
 * the optimizer's update of every value.

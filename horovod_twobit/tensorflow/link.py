@@ -3,8 +3,8 @@ binding's (:mod:`horovod_twobit.torch.link`), the step-time model's inputs for i
 decision: the link, by timed allreduces and allgathers of known size through Horovod, and the
 codec rate, by one encode and the decode-sum of N payloads of known size; rank 0's figures are
 broadcast, so every rank decides alike. Runs eagerly: an exchange traced inside a ``tf.function``
-measures under ``tf.init_scope`` while it is being traced, which every rank does
-at the same point of its program."""
+measures under ``tf.init_scope`` while it is being traced, which every rank does at the same
+point of its program."""
 
 import time
 
@@ -68,7 +68,7 @@ def measure(process_set, compressor):
     N = process_set.size()
     got = figures(N, _allreduce(process_set),
                   lambda n: _codec_seconds(compressor, max(N, 1), n),
-                  allgather=_allgather(process_set))
+                  allgather=_allgather(process_set) if N > 1 else None)
     got = mpi_ops.broadcast(tf.constant(got, tf.float64), 0, name="twobit.link.figures",
                             process_set=process_set)
     return Link(*got.numpy().tolist())

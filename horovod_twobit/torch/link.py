@@ -62,7 +62,7 @@ def measure(process_set, device, threshold):
     N = process_set.size()
     got = figures(N, _allreduce(process_set, device),
                   lambda n: _codec_seconds(device, threshold, N, n),
-                  allgather=_allgather(process_set, device))
+                  allgather=_allgather(process_set, device) if N > 1 else None)
     got = mpi_ops.broadcast(torch.tensor(got, dtype=torch.float64), 0,
                             name="twobit.link.figures", process_set=process_set)
     return Link(*got.tolist())
