@@ -104,8 +104,9 @@ def figures(nranks, allreduce, codec_seconds, rounds=5, allgather=None):
     allgather's over the allreduce's beyond the one-value allreduce's, for the same bytes
     sent."""
     N = max(int(nranks), 1)
+    gather = allgather is not None and N > 1
     runs = [(allreduce, 1), (allreduce, BIG)]
-    if allgather is not None and N > 1:
+    if gather:
         runs += [(allgather, 1), (allgather, allgather_values(N))]
     best = [float("inf")] * len(runs)
     for i in range(rounds):
@@ -115,9 +116,7 @@ def figures(nranks, allreduce, codec_seconds, rounds=5, allgather=None):
             best[k] = min(best[k], time.perf_counter() - t0)
     moved = 2 * (N - 1) / N * 4 * BIG  # bytes each rank sends in a ring allreduce
     small, big = best[0], best[1]
-    pace = 1.0
-    if len(best) == 4:
-        pace = max(best[3] - best[2], 1e-9) / max(big - small, 1e-9)
+    pace = max(best[3] - best[2], 1e-9) / max(big - small, 1e-9) if gather else 1.0
     return [moved / max(big - small, 1e-9), small, *codec_figures(codec_seconds), pace]
 
 

@@ -302,8 +302,8 @@ def test_cluster_benchmark_reports_every_method(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", "bench_cluster.py"), "--hosts", "2",
          "--rates", "1gbit", "--models", "cnn", "--methods", "none,twobit,twobit_fallback,ddp_fp16",
-         "--steps", "3",
-         "--warmup", "1", "--iface", "hvdbench", "--subnet", "10.77.2.0/24", "--out", str(out)],
+         "--steps", "3", "--warmup", "1", "--iface", "hvdbench", "--subnet", "10.77.2.0/24",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["method"]: r for r in json.load(open(out / "bench_cluster.json"))["results"]}

@@ -88,7 +88,8 @@ def run(spec):
     for n, v in zip(NAMES, variables):
         rec["w/" + n] = v.numpy().reshape(-1)
     rec["link"] = np.array(json.dumps([repr(v) for v in c._plain.links.values()]))
-    rec["link_allgather"] = np.array([v.allgather for v in c._plain.links.values()], dtype=np.float64)
+    rec["link_allgather"] = np.array([v.allgather for v in c._plain.links.values()],
+                                     dtype=np.float64)
     rec["repr"] = np.array(repr(c))
     return rec
 
