@@ -23,11 +23,13 @@ MEASURABLE = 0.05  # a one-sided sign test below this: measurably slower
 
 def clusters(loaded):
     """``loaded`` (``[(path, bench_cluster JSON)]``) grouped by cluster: lists of the runs of
-    the same hosts, quota, dilation and arguments that shape the models."""
+    the same hosts, quota (its share and its period), dilation and arguments that shape the
+    models."""
     def cluster(data):
         a = data.get("args", {})
-        return json.dumps([a.get(k) for k in ("hosts", "cpus_per_host", "dilation", "mlp_hidden",
-                                              "mlp_in", "cnn_channels", "bucket_bytes")])
+        return json.dumps([a.get(k) for k in ("hosts", "cpus_per_host", "cpu_period_us",
+                                              "dilation", "mlp_hidden", "mlp_in", "cnn_channels",
+                                              "bucket_bytes")])
     groups = {}
     for path, data in loaded:
         groups.setdefault(cluster(data), []).append((path, data))

@@ -171,7 +171,10 @@ def summary(rows):
     number of methods it names per cell, ``close_call_size``). Each miss has ``paired``: the
     pick against the fastest over the steps they ran side by side (:func:`repeatability.paired`,
     None where the rows kept no steps); ``measurable_misses`` counts the misses whose pick is
-    measurably slower, ``untold_misses`` those without steps to tell."""
+    measurably slower, ``untold_misses`` those without steps to tell; ``within_noise`` counts
+    the cells whose pick is the measured fastest or, by the steps, not measurably slower than
+    it (a miss without steps does not count): the share of cells the model gets right as far as
+    the measurements can tell."""
     errs = [abs(r["error"]) for r in rows]
     cells = {}
     for r in rows:
@@ -193,13 +196,15 @@ def summary(rows):
                            "pick_loss": losses[-1],
                            "paired": paired(pick.get("steps_by_run", {}),
                                             best.get("steps_by_run", {}))})
+    measurable = sum(measurably_slower(m["paired"]) is True for m in misses)
+    untold = sum(m["paired"] is None for m in misses)
     return {"rows": len(rows), "median_abs_error": statistics.median(errs) if errs else None,
             "worst_abs_error": max(errs) if errs else None, "cells": len(hits),
             "fastest_hits": sum(hits), "fastest_hit_rate": sum(hits) / len(hits) if hits else None,
             "median_pick_loss": statistics.median(losses) if losses else None,
             "worst_pick_loss": max(losses) if losses else None, "misses": misses,
-            "measurable_misses": sum(measurably_slower(m["paired"]) is True for m in misses),
-            "untold_misses": sum(m["paired"] is None for m in misses),
+            "measurable_misses": measurable, "untold_misses": untold,
+            "within_noise": len(hits) - measurable - untold,
             "close_call_hits": sum(close_hits),
             "close_call_size": statistics.mean(close_sizes) if close_sizes else None}
 
@@ -250,6 +255,8 @@ def main_validate(argv):
             if s["untold_misses"]:
                 line += "; %d kept no steps to tell" % s["untold_misses"]
             print(line + (": " + ", ".join(told) if told else ""))
+            print("the model's pick is the fastest or not measurably slower than it in %d of %d "
+                  "cells" % (s["within_noise"], s["cells"]))
         print("the measured fastest is among the methods within %d %% of the model's pick in %d "
               "of %d cells (%.1f methods named per cell)" % (
                   round(100 * steptime.CLOSE_CALL), s["close_call_hits"], s["cells"],

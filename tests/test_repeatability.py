@@ -41,6 +41,17 @@ def test_paired_pairs_the_steps_of_each_run_that_timed_both():
     assert repeatability.measurably_slower({"p": 0.2}) is False
 
 
+def test_runs_with_another_quota_period_are_another_cluster():
+    """Runs of the same hosts and models whose CPU quota comes in other periods (bench_cluster's
+    ``--cpu-period-us``) are not combined: their hosts are not the same."""
+    def run(period, hosts=4):
+        return ("p%s-h%d" % (period, hosts), {"args": {"hosts": hosts, "cpu_period_us": period},
+                                              "results": []})
+    groups = repeatability.clusters([run(10000), run(1000), run(10000), run(10000, 2)])
+    assert sorted(sorted(p for p, _ in g) for g in groups) == [
+        ["p1000-h4"], ["p10000-h2"], ["p10000-h4", "p10000-h4"]]
+
+
 def _cell_runs(tmp_path, steps):
     """bench_cluster JSON of one 4-host cell per run: {method: step_s} each; real_step_s is
     the median of the steps, as bench_cluster writes it."""
@@ -79,11 +90,13 @@ def test_a_miss_within_the_noise_is_told_from_a_measurable_one(tmp_path):
     assert [(m["picked"], m["fastest"]) for m in misses] == [(pick, other)]
     assert misses[0]["paired"]["steps"] == 16 and misses[0]["paired"]["slower"] == 16
     assert s["measurable_misses"] == 1 and s["untold_misses"] == 0
+    assert s["cells"] == 1 and s["within_noise"] == 0
     # the pick slower by the median only: the steps go both ways
     s, misses = miss([noisy], True)
     assert [(m["picked"], m["fastest"]) for m in misses] == [(pick, other)]
     assert misses[0]["paired"]["slower"] == 5 and misses[0]["paired"]["steps"] == 8  # p 0.36
     assert s["measurable_misses"] == 0 and s["untold_misses"] == 0
+    assert s["fastest_hits"] == 0 and s["within_noise"] == 1  # a miss the steps cannot tell
     # without steps kept, nothing to tell; each run alone (not combined) pairs its own steps
     s, misses = miss([{pick: [1.0], other: [0.8]}], False)
     assert misses[0]["paired"]["steps"] == 1
@@ -91,7 +104,11 @@ def test_a_miss_within_the_noise_is_told_from_a_measurable_one(tmp_path):
     s = validate.summary(validate.compare([_bench_json(tmp_path / "old.json", rows)], "cpu",
                                           sizes_of=lambda model, args: sizes[model]))
     assert s["misses"][0]["paired"] is None and s["untold_misses"] == 1
-    assert s["measurable_misses"] == 0
+    assert s["measurable_misses"] == 0 and s["within_noise"] == 0
+    # the pick measured fastest: right, with steps or without
+    s = validate.summary(validate.compare(_cell_runs(tmp_path, [{pick: far, other: near}]),
+                                          "cpu", sizes_of=lambda model, args: sizes[model]))
+    assert s["fastest_hits"] == 1 and s["within_noise"] == 1 and not s["misses"]
 
 
 def test_validate_cli_says_which_misses_are_measurable(tmp_path):
