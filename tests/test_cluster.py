@@ -455,3 +455,35 @@ def test_probe_allgather_times_both_collectives_per_size(vc, tmp_path):
                                     for j in range(1, 4)) for k in ("allgather", "allreduce")}
         assert ("%.2f MB per rank: allgather %.1f ms, allreduce of the same bytes per host %.1f ms"
                 % (s / 1e6, 1e3 * med["allgather"], 1e3 * med["allreduce"])) in res.output
+
+
+def test_probe_framework_threads_splits_each_step_by_thread(vc, tmp_path):
+    """examples/probe_framework_threads.py: on 2 virtual hosts, every host times every kind of
+    optimizer at both tensor counts; the training thread's CPU is part of the process's, the
+    Horovod steps spend CPU on other threads (the plain step has none to speak of beside its
+    own), and the printed figures are the medians over the hosts of the records."""
+    out = tmp_path / "threads.json"
+    res = vc.horovodrun(1, [sys.executable,
+                            os.path.join(REPO, "examples", "probe_framework_threads.py"),
+                            "--steps", "2", "--out", str(out)], hosts=2, timeout=200,
+                        env=job_env())
+    assert res.returncode == 0, res
+    data = json.load(open(out))
+    assert data["ranks"] == 2 and sorted(e["rank"] for e in data["every"]) == [0, 1]
+    kinds = ("plain", "none", "fp16", "twobit", "scatter")
+    for e in data["every"]:
+        assert sorted(e["steps"]) == sorted(kinds)
+        for kind in kinds:
+            assert sorted(e["steps"][kind]) == ["1", "64"]
+            for r in e["steps"][kind].values():
+                assert 0 < r["thread_s"] <= r["cpu_s"] + 1e-4 and r["wall_s"] > 0
+        # Horovod's background thread works for every collective: CPU off the training thread
+        assert all(e["steps"][k]["1"]["cpu_s"] - e["steps"][k]["1"]["thread_s"]
+                   > e["steps"]["plain"]["1"]["cpu_s"] - e["steps"]["plain"]["1"]["thread_s"]
+                   for k in kinds[1:])
+    med = lambda kind, k, f: 1e3 * statistics.median(  # noqa: E731
+        e["steps"][kind][k][f] for e in data["every"])
+    for kind in kinds:
+        assert ("%-8s" % kind + "".join("   %2d tensors %6.2f / %6.2f / %6.2f" % (
+            int(k), med(kind, k, "cpu_s"), med(kind, k, "thread_s"), med(kind, k, "wall_s"))
+            for k in ("1", "64"))) in res.output
