@@ -133,3 +133,5 @@ def test_validate_cli_says_which_misses_are_measurable(tmp_path):
     assert (m["picked"], m["paired"]["slower"], m["paired"]["steps"]) == (pick, 3, 4)  # 1 tie
     assert "of the 1 cells it misses, 0 pick a method measurably slower" in out.stdout
     assert "mlp 2 hosts 1gbit slower in 3 of 4 steps (p 0.31)" in out.stdout
+    assert ("the model's pick is the fastest or not measurably slower than it in 1 of 1"
+            in out.stdout)
