@@ -54,47 +54,51 @@ def calibrate_worker(args):
     return 0
 
 
+FRAMEWORK_KINDS = ("plain", "none", "fp16", "twobit", "scatter")
 FRAMEWORK_TENSORS = (1, 64)
+
+
+def framework_steps(kind, k, steps):
+    """``[(process CPU, training thread CPU, wall)]`` seconds of ``steps`` x 2 steps, after 3
+    untimed ones, each after a barrier, of a ``DistributedOptimizer`` on ``k`` tensors of 16
+    values: ``kind`` "none" (no compression), "fp16" (``hvd.Compression.fp16``: a cast each way
+    per tensor), "twobit" and "scatter" (TwoBit's two exchanges), or "plain" (the optimizer
+    alone). The process's CPU counts all its threads (what a 1-core host spends); the
+    training thread's (``time.thread_time``) is read around it, the wall clock outermost."""
+    import torch
+    import horovod.torch as hvd
+    from horovod_twobit.torch import TwoBitCompressor
+    params = [torch.nn.Parameter(torch.zeros(16)) for _ in range(k)]
+    opt = torch.optim.SGD(params, lr=0.0)
+    if kind != "plain":
+        comp = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(kind)
+        if comp is None:
+            comp = TwoBitCompressor(0.5, exchange="allgather" if kind == "twobit" else "scatter")
+        opt = hvd.DistributedOptimizer(
+            opt, named_parameters=[("fw.%s.%d.%d" % (kind, k, i), p)
+                                   for i, p in enumerate(params)], compression=comp)
+    x = torch.ones(16)
+    rec = []
+    for i in range(2 * steps + 3):
+        hvd.allreduce(torch.zeros(1), name="fw.barrier", op=hvd.Sum)
+        w0, t0, c0 = time.perf_counter(), time.thread_time(), time.process_time()
+        opt.zero_grad()
+        sum((p * x).sum() for p in params).backward()
+        opt.step()
+        c1, t1, w1 = time.process_time(), time.thread_time(), time.perf_counter()
+        rec.append((c1 - c0, t1 - t0, w1 - w0))
+    return rec[3:]
 
 
 def framework_cpu(steps):
     """CPU seconds per step (this process, all threads: what a 1-core host spends) of
-    ``DistributedOptimizer`` steps on K tensors of 16 values, K in :data:`FRAMEWORK_TENSORS`,
-    with no compression ("none"), ``hvd.Compression.fp16`` ("fp16": a cast each way per tensor)
-    and TwoBit's two exchanges ("twobit", "scatter"), and of a plain
-    optimizer step on the same tensors ("plain"): the framework's own work per step and per
-    tensor (hooks, enqueueing, negotiation, synchronize, the compressor's buckets), which
-    :func:`horovod_twobit.cluster_profile.framework_costs` separates from what the model
-    charges already.
-    {kind: {K: seconds}}; each a median over ``steps`` x 2 steps after 3 untimed ones."""
-    import torch
-    import horovod.torch as hvd
-    from horovod_twobit.torch import TwoBitCompressor
-    out = {}
-    for kind in ("plain", "none", "fp16", "twobit", "scatter"):
-        out[kind] = {}
-        for k in FRAMEWORK_TENSORS:
-            params = [torch.nn.Parameter(torch.zeros(16)) for _ in range(k)]
-            opt = torch.optim.SGD(params, lr=0.0)
-            if kind != "plain":
-                comp = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(kind)
-                if comp is None:
-                    comp = TwoBitCompressor(0.5, exchange="allgather" if kind == "twobit"
-                                            else "scatter")
-                opt = hvd.DistributedOptimizer(
-                    opt, named_parameters=[("fw.%s.%d.%d" % (kind, k, i), p)
-                                           for i, p in enumerate(params)], compression=comp)
-            x = torch.ones(16)
-            cpu = []
-            for i in range(2 * steps + 3):
-                hvd.allreduce(torch.zeros(1), name="fw.barrier", op=hvd.Sum)
-                c0 = time.process_time()
-                opt.zero_grad()
-                sum((p * x).sum() for p in params).backward()
-                opt.step()
-                cpu.append(time.process_time() - c0)
-            out[kind][k] = statistics.median(cpu[3:])
-    return out
+    :func:`framework_steps` of every kind in :data:`FRAMEWORK_KINDS` on K tensors, K in
+    :data:`FRAMEWORK_TENSORS`: the framework's own work per step and per tensor (hooks,
+    enqueueing, negotiation, synchronize, the compressor's buckets) against the plain step's,
+    which :func:`horovod_twobit.cluster_profile.framework_costs` separates from what the model
+    charges already. {kind: {K: seconds}}; each a median over ``steps`` x 2 steps."""
+    return {kind: {k: statistics.median(c for c, _, _ in framework_steps(kind, k, steps))
+                   for k in FRAMEWORK_TENSORS} for kind in FRAMEWORK_KINDS}
 
 
 def straggler_s(dilation, rounds, burst_s=0.01):

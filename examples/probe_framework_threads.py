@@ -10,9 +10,10 @@ background thread and Gloo's.
 The step-time model's framework cost (``framework_s`` of a virtual cluster's profile) comes from
 ``examples/_cluster_calibrate.framework_cpu``: the process's CPU seconds per
 ``DistributedOptimizer`` step on K tensors of 16 values, K = 1 and 64, less a plain optimizer
-step's. This probe times the same steps (each after a barrier, medians over ``--steps`` x 2
-after 3 untimed) and splits each: the process's CPU (all threads), the training thread's alone
-(``time.thread_time``) and the wall time in real-host seconds (wall / D on a dilated cluster).
+step's. This probe times the same steps (``framework_steps``: each after a barrier, medians over
+``--steps`` x 2 after 3 untimed) and splits each: the process's CPU (all threads), the training
+thread's alone (``time.thread_time``) and the wall time in real-host seconds (wall / D on a
+dilated cluster).
 The rest of the process's CPU ran on other threads while the training thread waited or
 computed. Rank 0 prints the medians over the ranks (ms) and writes every rank's to ``--out``.
 
@@ -25,37 +26,8 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-KINDS = ("plain", "none", "fp16", "twobit", "scatter")
-TENSORS = (1, 64)
-
-
-def timed_steps(kind, k, steps, hvd, torch):
-    """[process CPU, training thread CPU, wall] seconds per step, each a median."""
-    from horovod_twobit.torch import TwoBitCompressor
-    params = [torch.nn.Parameter(torch.zeros(16)) for _ in range(k)]
-    opt = torch.optim.SGD(params, lr=0.0)
-    if kind != "plain":
-        comp = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}.get(kind)
-        if comp is None:
-            comp = TwoBitCompressor(0.5, exchange="allgather" if kind == "twobit" else "scatter")
-        opt = hvd.DistributedOptimizer(opt, compression=comp, named_parameters=[
-            ("threads.%s.%d.%d" % (kind, k, i), p) for i, p in enumerate(params)])
-    x = torch.ones(16)
-    rec = []
-    for _ in range(2 * steps + 3):
-        hvd.allreduce(torch.zeros(1), name="threads.barrier", op=hvd.Sum)
-        c0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
-        opt.zero_grad()
-        sum((p * x).sum() for p in params).backward()
-        opt.step()
-        rec.append((time.process_time() - c0, time.thread_time() - t0,
-                    time.perf_counter() - w0))
-    return [statistics.median(r[j] for r in rec[3:]) for j in range(3)]
-
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -65,26 +37,28 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import torch
     import horovod.torch as hvd
+    from examples._cluster_calibrate import FRAMEWORK_KINDS, FRAMEWORK_TENSORS, framework_steps
     from examples._cluster_worker import dilation, sleeping_waits
     torch.set_num_threads(1)
     hvd.init()
     sleeping_waits()
     d = dilation()
     mine = {}
-    for kind in KINDS:
+    for kind in FRAMEWORK_KINDS:
         mine[kind] = {}
-        for k in TENSORS:
-            cpu, thread, wall = timed_steps(kind, k, args.steps, hvd, torch)
+        for k in FRAMEWORK_TENSORS:
+            rec = framework_steps(kind, k, args.steps)
+            cpu, thread, wall = (statistics.median(r[j] for r in rec) for j in range(3))
             mine[kind][k] = {"cpu_s": cpu, "thread_s": thread, "wall_s": wall / d}
     every = hvd.allgather_object({"rank": hvd.rank(), "steps": mine})
     if hvd.rank() == 0:
         print("per step, median over %d ranks (ms): process CPU / training thread / wall" % (
             len(every)))
-        for kind in KINDS:
+        for kind in FRAMEWORK_KINDS:
             print("%-8s" % kind + "".join(
                 "   %2d tensors %6.2f / %6.2f / %6.2f" % ((k,) + tuple(
                     1e3 * statistics.median(e["steps"][kind][k][f] for e in every)
-                    for f in ("cpu_s", "thread_s", "wall_s"))) for k in TENSORS))
+                    for f in ("cpu_s", "thread_s", "wall_s"))) for k in FRAMEWORK_TENSORS))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"ranks": len(every), "dilation": d, "every": every}, f, indent=1)
