@@ -174,18 +174,24 @@ def summary(rows):
     measurably slower, ``untold_misses`` those without steps to tell; ``within_noise`` counts
     the cells whose pick is the measured fastest or, by the steps, not measurably slower than
     it (a miss without steps does not count): the share of cells the model gets right as far as
-    the measurements can tell."""
+    the measurements can tell. ``decided`` counts the cells whose steps name their fastest
+    method (every other method of the cell measurably slower than it, step by step: cells the
+    model can be checked on at all), ``decided_hits`` those of them whose fastest it picks."""
     errs = [abs(r["error"]) for r in rows]
     cells = {}
     for r in rows:
         cells.setdefault((r["source"], r["model"], r["rate"], r["hosts"]), []).append(r)
-    hits, losses, misses, close_hits, close_sizes = [], [], [], [], []
+    hits, losses, misses, close_hits, close_sizes, decided = [], [], [], [], [], []
     for c in cells.values():
         if len(c) < 2:
             continue
         best = min(c, key=lambda r: r["measured_s"])
         pick = min(c, key=lambda r: r["predicted_s"])
         hits.append(best["method"] == pick["method"])
+        if all(measurably_slower(paired(r.get("steps_by_run", {}),
+                                        best.get("steps_by_run", {}))) is True
+               for r in c if r is not best):
+            decided.append(hits[-1])
         close = steptime.close_calls({r["method"]: r["predicted_s"] for r in c})
         close_hits.append(best["method"] in close)
         close_sizes.append(len(close))
@@ -205,6 +211,7 @@ def summary(rows):
             "worst_pick_loss": max(losses) if losses else None, "misses": misses,
             "measurable_misses": measurable, "untold_misses": untold,
             "within_noise": len(hits) - measurable - untold,
+            "decided": len(decided), "decided_hits": sum(decided),
             "close_call_hits": sum(close_hits),
             "close_call_size": statistics.mean(close_sizes) if close_sizes else None}
 
@@ -257,6 +264,9 @@ def main_validate(argv):
             print(line + (": " + ", ".join(told) if told else ""))
             print("the model's pick is the fastest or not measurably slower than it in %d of %d "
                   "cells" % (s["within_noise"], s["cells"]))
+        print("the steps name the fastest method (every other method of the cell measurably "
+              "slower than it) in %d of %d cells; the model picks it in %d of them" % (
+                  s["decided"], s["cells"], s["decided_hits"]))
         print("the measured fastest is among the methods within %d %% of the model's pick in %d "
               "of %d cells (%.1f methods named per cell)" % (
                   round(100 * steptime.CLOSE_CALL), s["close_call_hits"], s["cells"],

@@ -91,12 +91,14 @@ def test_a_miss_within_the_noise_is_told_from_a_measurable_one(tmp_path):
     assert misses[0]["paired"]["steps"] == 16 and misses[0]["paired"]["slower"] == 16
     assert s["measurable_misses"] == 1 and s["untold_misses"] == 0
     assert s["cells"] == 1 and s["within_noise"] == 0
+    assert s["decided"] == 1 and s["decided_hits"] == 0  # the steps name the other: a real miss
     # the pick slower by the median only: the steps go both ways
     s, misses = miss([noisy], True)
     assert [(m["picked"], m["fastest"]) for m in misses] == [(pick, other)]
     assert misses[0]["paired"]["slower"] == 5 and misses[0]["paired"]["steps"] == 8  # p 0.36
     assert s["measurable_misses"] == 0 and s["untold_misses"] == 0
     assert s["fastest_hits"] == 0 and s["within_noise"] == 1  # a miss the steps cannot tell
+    assert s["decided"] == 0 and s["decided_hits"] == 0
     # without steps kept, nothing to tell; each run alone (not combined) pairs its own steps
     s, misses = miss([{pick: [1.0], other: [0.8]}], False)
     assert misses[0]["paired"]["steps"] == 1
@@ -104,11 +106,18 @@ def test_a_miss_within_the_noise_is_told_from_a_measurable_one(tmp_path):
     s = validate.summary(validate.compare([_bench_json(tmp_path / "old.json", rows)], "cpu",
                                           sizes_of=lambda model, args: sizes[model]))
     assert s["misses"][0]["paired"] is None and s["untold_misses"] == 1
-    assert s["measurable_misses"] == 0 and s["within_noise"] == 0
+    assert s["measurable_misses"] == 0 and s["within_noise"] == 0 and s["decided"] == 0
     # the pick measured fastest: right, with steps or without
     s = validate.summary(validate.compare(_cell_runs(tmp_path, [{pick: far, other: near}]),
                                           "cpu", sizes_of=lambda model, args: sizes[model]))
     assert s["fastest_hits"] == 1 and s["within_noise"] == 1 and not s["misses"]
+    assert s["decided"] == 1 and s["decided_hits"] == 1
+    # a third method the steps cannot tell from the fastest: the cell names no fastest
+    s = validate.summary(validate.compare(
+        _cell_runs(tmp_path, [{pick: far, other: near, "fp16": [
+            x * k for x, k in zip(far, (1.03, 0.99, 1.02, 0.99, 1.03, 0.99, 1.02, 0.995))]}]),
+        "cpu", sizes_of=lambda model, args: sizes[model]))
+    assert s["cells"] == 1 and s["decided"] == 0 and s["decided_hits"] == 0
 
 
 def test_validate_cli_says_which_misses_are_measurable(tmp_path):
@@ -135,3 +144,5 @@ def test_validate_cli_says_which_misses_are_measurable(tmp_path):
     assert "mlp 2 hosts 1gbit slower in 3 of 4 steps (p 0.31)" in out.stdout
     assert ("the model's pick is the fastest or not measurably slower than it in 1 of 1"
             in out.stdout)
+    assert ("the steps name the fastest method (every other method of the cell measurably "
+            "slower than it) in 0 of 1 cells; the model picks it in 0 of them" in out.stdout)
