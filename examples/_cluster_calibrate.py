@@ -1,7 +1,7 @@
 """The calibrating side of ``examples/bench_cluster.py --calibrate``: what every host of the
 virtual cluster measures of itself for the step-time model (its codec in real-host seconds, the
 framework's CPU per step and per tensor, the slowest host's lead, a one-value allreduce);
-``horovod_twobit.cluster_profile.from_cluster`` merges the hosts' files into one profile."""
+``horovod_twobit.advisor.cluster_profile.from_cluster`` merges the hosts' files into one profile."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from examples._cluster_worker import dilation, progress, sleeping_waits
 
 def calibrate_worker(args):
     """Every host at once measures its codec rates and per-value costs in real-host seconds (wall
-    seconds / D, :func:`horovod_twobit.calibrate.calibrate` with ``clock="wall"``), so that the
+    seconds / D, :func:`horovod_twobit.advisor.calibrate.calibrate` with ``clock="wall"``), so that the
     step-time model is given the emulated host rather than an unthrottled core; then the
     framework's CPU per step and per tensor (:func:`framework_cpu`), the slowest host's lead
     (:func:`straggler_s`) and, all hosts idle again, the seconds of a one-value allreduce among
@@ -23,7 +23,7 @@ def calibrate_worker(args):
     ``allreduce1_loaded_s`` (:func:`loaded_allreduce_s`)."""
     import torch
     import horovod.torch as hvd
-    from horovod_twobit import calibrate
+    from horovod_twobit.advisor import calibrate
     torch.set_num_threads(args.threads)
     hvd.init()
     rank = hvd.rank()
@@ -95,7 +95,7 @@ def framework_cpu(steps):
     :func:`framework_steps` of every kind in :data:`FRAMEWORK_KINDS` on K tensors, K in
     :data:`FRAMEWORK_TENSORS`: the framework's own work per step and per tensor (hooks,
     enqueueing, negotiation, synchronize, the compressor's buckets) against the plain step's,
-    which :func:`horovod_twobit.cluster_profile.framework_costs` separates from what the model
+    which :func:`horovod_twobit.advisor.cluster_profile.framework_costs` separates from what the model
     charges already. {kind: {K: seconds}}; each a median over ``steps`` x 2 steps."""
     return {kind: {k: statistics.median(c for c, _, _ in framework_steps(kind, k, steps))
                    for k in FRAMEWORK_TENSORS} for kind in FRAMEWORK_KINDS}
@@ -164,7 +164,7 @@ def half_sum_s(dilation, rounds, n=HALF_SUM_VALUES):
     "fp32_s": median real-host seconds, "fp16_cpu_s", "fp32_cpu_s": median CPU seconds of this
     process, all its threads}. The CPU difference is what Horovod's float16 sum (a software
     conversion per value) costs beyond float32's, which
-    ``horovod_twobit.cluster_profile.from_cluster`` turns into the profile's ``sum_fp16_s``; the
+    ``horovod_twobit.advisor.cluster_profile.from_cluster`` turns into the profile's ``sum_fp16_s``; the
     wall difference is smaller where the ring's sums overlap its transfers."""
     import torch
     import horovod.torch as hvd

@@ -225,9 +225,9 @@ def probe_setup(model, methods):
 
 def dilated_twobit_waits():
     """On a dilated cluster (docs/emulation.md) a real host's polls come D times less often in
-    the cluster's time: TwoBit's waits (``horovod_twobit.torch.progress``: 20 us doubling up to
+    the cluster's time: TwoBit's waits (``horovod_twobit.torch.exchange.progress``: 20 us doubling up to
     0.5 ms) then sleep D times longer. Returns (first, longest) sleep in seconds."""
-    from horovod_twobit.torch import progress as twobit_waits
+    from horovod_twobit.torch.exchange import progress as twobit_waits
     d = dilation()
     twobit_waits.POLL_S = tuple(d * s for s in twobit_waits.DEFAULT_POLL_S)
     return twobit_waits.POLL_S

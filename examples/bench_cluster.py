@@ -228,8 +228,8 @@ def calibrate_hosts(c, args, rate, log):
     a one-value allreduce among them, idle and with their cores busy
     (``examples._cluster_calibrate.calibrate_worker``): the
     step-time model's profile of this cluster's hosts
-    (``horovod_twobit.cluster_profile.from_cluster``), or None where the job failed."""
-    from horovod_twobit import cluster_profile
+    (``horovod_twobit.advisor.cluster_profile.from_cluster``), or None where the job failed."""
+    from horovod_twobit.advisor import cluster_profile
     out = tempfile.mkdtemp(prefix="calibrate-", dir=args.work)
     d = c.dilation
     env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": str(args.threads), "TF_CPP_MIN_LOG_LEVEL": "3",

@@ -13,9 +13,10 @@ import time
 import torch
 
 from examples.bench_buckets import torch_model
-from horovod_twobit import layout as lay
+from horovod_twobit.wire import layout as lay
 from horovod_twobit import wire
-from horovod_twobit.torch import codec, levels
+from horovod_twobit.torch.codec import levels
+from horovod_twobit.torch import codec
 
 
 def model_layouts(name):

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from horovod_twobit import scatter_wire as sw  # noqa: E402
+from horovod_twobit.wire import scatter as sw  # noqa: E402
 from horovod_twobit.torch import codec  # noqa: E402
 
 

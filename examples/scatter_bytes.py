@@ -21,8 +21,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from horovod_twobit import layout as lay  # noqa: E402
-from horovod_twobit import scatter_wire as sw  # noqa: E402
+from horovod_twobit.wire import layout as lay  # noqa: E402
+from horovod_twobit.wire import scatter as sw  # noqa: E402
 
 NS = (2, 3, 4, 8, 16, 32, 64)
 # bench_cluster's methods, in the table's order

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 import horovod.torch as hvd
-from horovod_twobit.stats import scalars
+from horovod_twobit.state.stats import scalars
 from horovod_twobit.torch import TwoBitCompressor
 
 import _digits

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from horovod_twobit import advise, steptime, validate
+from horovod_twobit.advisor import cli as advise, validate
+from horovod_twobit.model import steptime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from horovod_twobit import reference as ref
-from horovod_twobit import wire, wire_checks
-from horovod_twobit.torch import TwoBitCompressor, compiled, decode_kernels, kernels, levels
+from horovod_twobit.wire import checks as wire_checks
+from horovod_twobit import wire
+from horovod_twobit.torch.codec import compiled, decode_kernels, kernels, levels
+from horovod_twobit.torch import TwoBitCompressor
 
 
 @pytest.mark.parametrize("rule", ["lsq", "opt", "mean", "rms", "mean*3", "lsq*2"])
@@ -86,7 +88,7 @@ def test_auto_threshold_of_zeros_sends_nothing():
 
 
 def test_header_carries_the_senders_value():
-    from horovod_twobit.torch.communicator import _split
+    from horovod_twobit.torch.exchange.bucket import _split
     rows = []
     for rank, t in enumerate([0.25, 0.0625]):
         words = ref.encode(np.array([1.0, -1.0, 0.01] * 11, np.float32), np.zeros(33, np.float32), t)
@@ -168,7 +170,7 @@ def test_block_levels_match_reference(monkeypatch, rule, path, n, block):
 def test_block_header_and_body():
     """With blocks, header word 4 is the block size and each rank's block magnitudes follow its
     header; receivers decode each block of each sender with that sender's magnitude."""
-    from horovod_twobit.torch.communicator import _split
+    from horovod_twobit.torch.exchange.bucket import _split
     n, block, gathered, grads = 40, 16, [], []
     for rank in range(2):
         g = np.linspace(-1, 1, n).astype(np.float32) * (rank + 1)

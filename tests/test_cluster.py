@@ -17,9 +17,10 @@ import pytest
 
 import jobs
 import sim
-from horovod_twobit import cluster, layout, wire
+from horovod_twobit.wire import layout
+from horovod_twobit import cluster, wire
 from horovod_twobit import reference as ref
-from horovod_twobit import scatter_wire as sw
+from horovod_twobit.wire import scatter as sw
 
 REASON = cluster.unavailable_reason()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason="virtual cluster unavailable: %s" % REASON),
@@ -283,12 +284,12 @@ def test_refuses_clearly_without_root_or_ip_netns(monkeypatch, capsys):
     assert cluster._main(["up", "--hosts", "2"]) == 2
     assert "needs root" in capsys.readouterr().err
     monkeypatch.undo()
-    monkeypatch.setattr(cluster, "_capabilities", lambda: 0x1fffeffffff & ~(1 << 12))  # a container
+    monkeypatch.setattr(cluster.capabilities, "_capabilities", lambda: 0x1fffeffffff & ~(1 << 12))  # a container
     with pytest.raises(cluster.ClusterUnavailable, match=r"needs CAP_NET_ADMIN \(.*which this root lacks.*--privileged"):
         cluster.VirtualCluster(n_hosts=2).up()
     monkeypatch.undo()
-    real = cluster._which
-    monkeypatch.setattr(cluster, "_which", lambda name, path: None if name == "ip" else real(name, path))
+    real = cluster.capabilities._which
+    monkeypatch.setattr(cluster.capabilities, "_which", lambda name, path: None if name == "ip" else real(name, path))
     with pytest.raises(cluster.ClusterUnavailable, match="ip is not installed"):
         cluster.VirtualCluster(n_hosts=2).up()
 
@@ -347,7 +348,7 @@ def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
          "--calibrate-min-wall", "0.02", "--steps", "5", "--iface", "hvdbench", "--subnet",
          "10.77.2.0/24", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from horovod_twobit import steptime
+    from horovod_twobit.model import steptime
     prof = steptime.load_profile(str(out / "profile-2h-1gbit.json"))
     assert json.load(open(out / "bench_cluster.json"))["profiles"]["1gbit"] == prof
     # the sizes asked for, and the size just below the codec's switch to its compiled bodies
@@ -356,7 +357,7 @@ def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
     assert 0 < prof["collective_s"] < prof["allreduce1_s"] < 1.0
     assert sorted(prof["framework_s"]) == ["fp16", "none", "scatter", "twobit"]
     # Horovod's float16 sum, from each host's float16 and float32 allreduces of the same bytes
-    from horovod_twobit import cluster_profile
+    from horovod_twobit.advisor import cluster_profile
     assert len(prof["half_sum"]) == 2 and all(h["fp16_cpu_s"] > 0 and h["fp32_cpu_s"] > 0
                                               for h in prof["half_sum"])
     assert prof["sum_fp16_s"] == cluster_profile.half_sum_cost(prof["half_sum"], 2,

@@ -8,8 +8,9 @@ import math
 
 import pytest
 
-from horovod_twobit import calibrate, cluster_profile, collectives, steptime
-from horovod_twobit import validate
+from horovod_twobit.advisor import calibrate, cluster_profile
+from horovod_twobit.model import collectives, steptime
+from horovod_twobit.advisor import validate
 
 
 def _host(scale, n=(1024, 4096), N=(2, 4)):

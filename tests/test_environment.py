@@ -286,11 +286,12 @@ def test_wheel_ships_the_op_sources_and_the_profiles(wheel_dir):
     import zipfile
     (wheel,) = os.listdir(wheel_dir)
     names = zipfile.ZipFile(os.path.join(wheel_dir, wheel)).namelist()
-    ops = [f for f in os.listdir(os.path.join(REPO, "horovod_twobit", "tensorflow"))
+    ops = [f for f in os.listdir(os.path.join(REPO, "horovod_twobit", "tensorflow", "codec"))
            if f.endswith((".cc", ".h"))]
     assert {"segment_levels.cc", "bucket_encode.cc", "bucket_finish.cc", "twobit_ops.h"} <= set(ops)
-    want = ["horovod_twobit/tensorflow/" + f for f in ops] + [
-        "horovod_twobit/profiles/" + f for f in os.listdir(os.path.join(REPO, "horovod_twobit", "profiles"))]
+    profiles = os.path.join(REPO, "horovod_twobit", "model", "profiles")
+    want = ["horovod_twobit/tensorflow/codec/" + f for f in ops] + [
+        "horovod_twobit/model/profiles/" + f for f in os.listdir(profiles)]
     assert sorted(set(want) - set(names)) == [], names
 
 

@@ -81,7 +81,7 @@ def test_count_entropy_measures_the_counts_a_scatter_owner_sends(capsys):
     sys.path.insert(0, os.path.dirname(EXAMPLES))
     import torch
     from examples import count_entropy as ce
-    from horovod_twobit import scatter_wire as sw
+    from horovod_twobit.wire import scatter as sw
     assert ce.entropy(torch.tensor([0, 0, 1, -1])) == 1.5
     assert ce.entropy(torch.zeros(10, dtype=torch.int64)) == 0
     small = ["--steps", "2", "--skip", "0", "--mlp-in", "32", "--mlp-hidden", "64"]

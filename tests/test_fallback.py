@@ -10,7 +10,7 @@ import pytest
 import jobs
 import sim
 from horovod_twobit import reference as ref
-from horovod_twobit.fallback import validate_fallback
+from horovod_twobit.state.fallback import validate_fallback
 
 pytestmark = pytest.mark.slow
 SWITCH = ["compressed", "compressed", "plain", "plain", "compressed", "plain"]  # the workers'
@@ -89,8 +89,8 @@ def test_fallback_argument_is_checked():
 
 
 def test_model_decides_by_bytes_and_codec():
-    from horovod_twobit.fallback import Link, compress_pays, times
-    from horovod_twobit.layout import Layout
+    from horovod_twobit.state.fallback import Link, compress_pays, times
+    from horovod_twobit.wire.layout import Layout
     lay = Layout([1 << 20])
     slow = Link(rate=12.5e6, latency=1e-3, codec=1e9)  # 100 Mbit/s, a fast codec
     fast = Link(rate=50e9, latency=1e-3, codec=1e8)  # 400 Gbit/s, a slow codec
@@ -105,8 +105,8 @@ def test_model_decides_by_bytes_and_codec():
 def test_fixed_codec_cost_decides_small_buckets():
     """A bucket small enough that its codec's fixed cost outweighs the bytes saved goes plain;
     the fixed cost is what a pass on few values costs beyond its share of the per-value rate."""
-    from horovod_twobit.fallback import Link, codec_figures, compress_pays
-    from horovod_twobit.layout import Layout
+    from horovod_twobit.state.fallback import Link, codec_figures, compress_pays
+    from horovod_twobit.wire.layout import Layout
     rate, fixed = codec_figures(lambda n: 1e-4 + n / 1e8, 1 << 20, 1 << 10)
     assert rate == pytest.approx((1 << 20) / (1e-4 + (1 << 20) / 1e8))
     assert fixed == pytest.approx(1e-4 + (1 << 10) / 1e8 - (1 << 10) / rate)
@@ -123,9 +123,10 @@ def test_decide_follows_the_step_time_model():
     """decide() compresses a bucket exactly where the step-time model, fed with the measured
     link, predicts its exchange faster than the plain ring allreduce; the model's terms are the
     alpha-beta arithmetic by hand with the formats' bytes."""
-    from horovod_twobit import scatter_wire, steptime
-    from horovod_twobit.fallback import Link, decide
-    from horovod_twobit.layout import Layout
+    from horovod_twobit.wire import scatter as scatter_wire
+    from horovod_twobit.model import steptime
+    from horovod_twobit.state.fallback import Link, decide
+    from horovod_twobit.wire.layout import Layout
     big, small = Layout([1 << 20]), Layout([3000, 700, 5])
     cases = [  # layout, N, exchange, measured link, compressed?
         (big, 4, "allgather", Link(12.5e6, 1e-3, 1e8, 2e-4), True),     # 100 Mbit/s
@@ -152,7 +153,7 @@ def test_decide_follows_the_step_time_model():
 def test_link_figures_from_allreduces_in_turns(monkeypatch):
     """The 1-value and BIG-value allreduces take turns and the best of each counts: a round
     slowed by load (here the first) does not make the link look faster or slower."""
-    from horovod_twobit import fallback
+    from horovod_twobit.state import fallback
     clock, calls = [0.0], []
 
     def allreduce(values, i):
@@ -172,7 +173,7 @@ def test_link_times_an_allgather_of_the_allreduces_bytes(monkeypatch):
     pace is its time beyond a one-value allgather's over the allreduce's beyond a one-value
     allreduce's, for the same bytes sent per rank: (N - 1) x 2 BIG / N float32 values, as the
     BIG-value ring allreduce's 2 (N - 1) / N x 4 BIG bytes."""
-    from horovod_twobit import fallback
+    from horovod_twobit.state import fallback
     clock, calls = [0.0], []
 
     def timed(kind, fixed, per_value):
@@ -208,9 +209,10 @@ def test_measured_allgather_pace_decides_a_close_bucket():
     pace goes plain where the link measured the allgather at twice the allreduce's time per
     byte (two ranks over Gloo): the model charges the payload's bytes at the measured pace,
     for the allgather exchange and for the scatter exchange's allgather of the owners' sums."""
-    from horovod_twobit import scatter_wire, steptime
-    from horovod_twobit.fallback import Link, compress_pays, times
-    from horovod_twobit.layout import Layout
+    from horovod_twobit.wire import scatter as scatter_wire
+    from horovod_twobit.model import steptime
+    from horovod_twobit.state.fallback import Link, compress_pays, times
+    from horovod_twobit.wire.layout import Layout
     lay, N, rate, latency = Layout([1 << 20]), 2, 125e6, 2e-4
     sent = scatter_wire.rank_bytes(lay, N, 0, "allgather") * (N - 1)
     plain = latency + 4 * lay.values / rate

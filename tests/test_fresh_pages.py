@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from horovod_twobit import calibrate_timing, steptime
-from horovod_twobit.exchange_units import FRESH_MAP_BYTES, PAGE_BYTES, fresh_pages
+from horovod_twobit.advisor import timing as calibrate_timing
+from horovod_twobit.model import steptime
+from horovod_twobit.model.units import FRESH_MAP_BYTES, PAGE_BYTES, fresh_pages
 
 CPU = steptime.load_profile("cpu")
 BIG = 1 << 24  # values: a 64 MiB float32 tensor, its float16 copy exactly 32 MiB
@@ -114,7 +115,7 @@ def test_calibration_measures_a_page():
 
 
 def test_validate_sets_the_pages_against_the_faults_measured(tmp_path):
-    from horovod_twobit import validate
+    from horovod_twobit.advisor import validate
 
     def row(method, real, faults):
         return {"model": "m", "method": method, "rate": "1gbit", "failed": False,

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from horovod_twobit import reference as ref
-from horovod_twobit import wire, wire_checks
-from horovod_twobit.layout import Layout
+from horovod_twobit.wire import checks as wire_checks
+from horovod_twobit import wire
+from horovod_twobit.wire.layout import Layout
 
 
 def test_layout_example_first_byte():

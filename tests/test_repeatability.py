@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from horovod_twobit import repeatability, validate
+from horovod_twobit.advisor import repeatability, validate
 
 from test_advise import ROOT, _bench_json, _row
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from horovod_twobit import reference as ref
-from horovod_twobit import reference_scatter as rs
-from horovod_twobit import scatter_wire as sw
+from horovod_twobit.reference import scatter as rs
+from horovod_twobit.wire import scatter as sw
 from horovod_twobit import wire
-from horovod_twobit.layout import Layout
+from horovod_twobit.wire.layout import Layout
 
 SIZES = [1, 15, 16, 17, 40, 480, 1000]
 NAMES = ["t%d" % i for i in range(len(SIZES))]

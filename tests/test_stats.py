@@ -12,9 +12,9 @@ import pytest
 import jobs
 import sim
 from horovod_twobit import reference as ref
-from horovod_twobit import scatter_wire as sw
+from horovod_twobit.wire import scatter as sw
 from horovod_twobit import wire
-from horovod_twobit.layout import Layout
+from horovod_twobit.wire.layout import Layout
 
 pytestmark = pytest.mark.slow
 STEPS, NAN_STEP, RESET_STEP = 5, 2, 3
@@ -157,7 +157,7 @@ def test_keras_callback_puts_stats_in_logs(tmp_path_factory, index):
 
 def test_sent_codes_are_counted_per_two_bit_code():
     """payload_counts' bit count against a count of the codes one by one (10 and 11: sent)."""
-    from horovod_twobit.stats import _high_bits
+    from horovod_twobit.state.stats import _high_bits
     rng = np.random.default_rng(0)
     for n in (0, 1, 7, 1000):
         words = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32)
@@ -272,8 +272,8 @@ def test_tf_exchange_computes_its_norms_only_while_watched(sizes):
     tf = pytest.importorskip("tensorflow")
     from horovod.tensorflow import mpi_ops
     from horovod_twobit.tensorflow import TwoBitCompressor
-    from horovod_twobit.tensorflow.bucket import BucketExchange
-    from horovod_twobit.tensorflow.communicator import Exchange
+    from horovod_twobit.tensorflow.exchange.bucket import BucketExchange
+    from horovod_twobit.tensorflow.exchange.single import Exchange
     comp = TwoBitCompressor(0.5)
     rng = np.random.default_rng(3)
     keys = ["w%d" % i for i in range(len(sizes))]
@@ -335,7 +335,8 @@ def test_tf_steps_hand_their_rows_to_the_host_while_reads_come_every_step_or_oth
     (a CPU with the ops built), which every step writes and reads use while they watch;
     ``callback``: the ``tf.numpy_function`` behind a ``tf.cond`` (a GPU)."""
     tf = pytest.importorskip("tensorflow")
-    from horovod_twobit.tensorflow import codec, native_ops
+    from horovod_twobit.tensorflow.codec import native_ops
+    from horovod_twobit.tensorflow import codec
     from horovod_twobit.tensorflow import stats as tf_stats
     from horovod_twobit.tensorflow.residuals import Residuals
     if handover == "callback":
@@ -398,7 +399,8 @@ def test_tf_reads_from_the_table_give_what_the_usual_read_gives(threshold, monke
     and steps aside where the case does not hold (a read with per_tensor, after the residuals
     were reset, or three steps after the last)."""
     tf = pytest.importorskip("tensorflow")
-    from horovod_twobit.tensorflow import codec, native_ops
+    from horovod_twobit.tensorflow.codec import native_ops
+    from horovod_twobit.tensorflow import codec
     from horovod_twobit.tensorflow import stats as tf_stats
     from horovod_twobit.tensorflow.residuals import Residuals
     if not native_ops.codec_usable():
@@ -503,9 +505,10 @@ def test_torch_norms_computed_by_the_step_are_read_until_the_residuals_change():
     current residual again. Only one step per read prepares them."""
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
-    from horovod_twobit.registry import ResidualRegistry
-    from horovod_twobit.torch import TwoBitCompressor, stats_read
-    from horovod_twobit.torch.communicator import Bucket
+    from horovod_twobit.state.residuals import ResidualRegistry
+    from horovod_twobit.torch.codec import stats as stats_read
+    from horovod_twobit.torch import TwoBitCompressor
+    from horovod_twobit.torch.exchange.bucket import Bucket
     reg = ResidualRegistry(zeros_like=torch.zeros_like, numel=lambda r: r.numel())
     current = torch.full([40], 0.25)
     bucket = SimpleNamespace(compressor=SimpleNamespace(residuals=reg), step_norms=None, steps=0,
@@ -539,7 +542,7 @@ def test_torch_committed_norms_are_those_of_the_residual_the_commit_leaves(numel
     its largest |r| exactly, its sum of squares to float32 summation; nothing is written."""
     torch = pytest.importorskip("torch")
     from horovod_twobit import wire
-    from horovod_twobit.torch import kernels, stats_read
+    from horovod_twobit.torch.codec import kernels, stats as stats_read
     gen = torch.Generator().manual_seed(numel)
     r = torch.randn(numel, generator=gen) * 0.3
     g = torch.randn(numel, generator=gen)

@@ -6,8 +6,10 @@ import json
 import pytest
 import torch
 
-from horovod_twobit import calibrate, layout, scatter_wire, steptime
-from horovod_twobit.torch import levels
+from horovod_twobit.advisor import calibrate
+from horovod_twobit.wire import layout, scatter as scatter_wire
+from horovod_twobit.model import steptime
+from horovod_twobit.torch.codec import levels
 
 CPU = steptime.load_profile("cpu")
 BOUND = steptime.load_profile("h100-bound")
@@ -180,7 +182,7 @@ def test_token_bucket_sends_its_burst_at_once(method):
 def test_validation_predicts_the_emulations_token_bucket():
     """``advise validate`` gives the emulation's rows the links' own bucket (each veth end is a
     tbf of ``tbf_burst(rate, mtu)`` bytes) unless told otherwise."""
-    from horovod_twobit import validate
+    from horovod_twobit.advisor import validate
     from horovod_twobit.cluster.hosts import tbf_burst
     assert validate._burst("100mbit", {}) == tbf_burst("100mbit", 1500) >= 64 * 1024
     assert validate._burst("1gbit", {"mtu": 9000}) == tbf_burst("1gbit", 9000)
@@ -235,7 +237,7 @@ def test_unknown_method():
 
 
 def test_calibrate_writes_a_usable_profile(tmp_path, monkeypatch):
-    from horovod_twobit.torch import compiled
+    from horovod_twobit.torch.codec import compiled
     run, ran = compiled.run, []
     monkeypatch.setattr(compiled, "run", lambda name, *a: ran.append(name) or run(name, *a))
     limit = compiled.COMPILE_MIN_NUMEL
@@ -499,7 +501,7 @@ def test_costs_per_table_and_segment_are_checked(tmp_path, entry):
 
 
 def test_calibrate_times_either_side_of_the_compiled_switch(tmp_path, monkeypatch):
-    from horovod_twobit.torch import compiled
+    from horovod_twobit.torch.codec import compiled
     switch = compiled.COMPILE_MIN_NUMEL
     assert calibrate.timed_sizes((4096, 1 << 20), switch) == [4096, switch - 16, 1 << 20]
     assert calibrate.timed_sizes((1 << 20, 4096, 4096), switch) == [4096, switch - 16, 1 << 20]
@@ -626,7 +628,7 @@ def test_two_ranks_allgather_sends_then_receives_on_cpu_hosts():
     on a CPU profile its bytes cost twice their time at 2 ranks, and only there: not at 3 or 4,
     not for the allreduce or the alltoall, not on a GPU profile (NCCL). A 2-rank TwoBit step
     rises by one payload's time more, and no compression's not at all."""
-    from horovod_twobit import collectives
+    from horovod_twobit.model import collectives
     gpu = steptime.load_profile("h200")
     assert CPU["serial"] and not gpu["serial"]
     nbytes = 4 << 20

@@ -224,7 +224,7 @@ def _exchanger(compressors, key, graph, receivers=None):
     are concatenated as an allgather would, and each rank in ``receivers`` (default: all) finishes
     on the same buffer. Returns a function of the ranks' gradients -> (payloads, results)."""
     from horovod.tensorflow import mpi_ops
-    from horovod_twobit.tensorflow import communicator
+    from horovod_twobit.tensorflow.exchange import single as communicator
     receivers = range(len(compressors)) if receivers is None else receivers
 
     def step(*gs):
@@ -244,7 +244,7 @@ def _exchanger(compressors, key, graph, receivers=None):
 def path(request, monkeypatch):
     """Runs a test with the codec's plain TF ops and with its XLA-compiled passes (which otherwise
     start at 65536 values)."""
-    from horovod_twobit.tensorflow import kernels
+    from horovod_twobit.tensorflow.codec import kernels
     monkeypatch.setattr(kernels, "DISABLED", False)
     monkeypatch.setattr(kernels, "COMPILE_MIN_NUMEL", 0 if request.param == "xla" else 1 << 62)
     return request.param
@@ -359,7 +359,8 @@ def test_sum_scale_and_non_finite_through_both_paths(graph, path):
     """op=Sum with a postscale, a partial last word, then a step in which one rank's gradient
     holds NaN: every result NaN, every residual as it was; the step after is the reference's."""
     from horovod.tensorflow import mpi_ops
-    from horovod_twobit.tensorflow import TwoBitCompressor, communicator
+    from horovod_twobit.tensorflow.exchange import single as communicator
+    from horovod_twobit.tensorflow import TwoBitCompressor
     n, nranks, t = 1000 + 7, 2, 0.1
     cs = [TwoBitCompressor(t) for _ in range(nranks)]
     sim = ref.Workers(nranks, t)
@@ -397,10 +398,10 @@ def test_bucket_matches_each_tensor_alone_and_torch_bytes(path, threshold, block
     reference's for that tensor alone, and each rank's payload is the PyTorch binding's bytes."""
     import torch
     from horovod.tensorflow import mpi_ops
-    from horovod_twobit.layout import Layout
+    from horovod_twobit.wire.layout import Layout
     from horovod_twobit import wire
     from horovod_twobit.tensorflow import TwoBitCompressor
-    from horovod_twobit.tensorflow.bucket import BucketExchange
+    from horovod_twobit.tensorflow.exchange.bucket import BucketExchange
     from horovod_twobit.torch import codec as torch_codec
     sizes, nranks, keys = [40, 17, 300, 1], 3, ["a", "b", "c", "d"]
     comps = [TwoBitCompressor(threshold, **blocks) for _ in range(nranks)]

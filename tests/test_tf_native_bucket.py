@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from horovod_twobit.tensorflow import TwoBitCompressor, bucket_passes, native_ops
-from horovod_twobit.tensorflow.bucket import BucketExchange
+from horovod_twobit.tensorflow.codec import passes as bucket_passes, native_ops
+from horovod_twobit.tensorflow import TwoBitCompressor
+from horovod_twobit.tensorflow.exchange.bucket import BucketExchange
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 

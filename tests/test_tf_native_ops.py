@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from horovod_twobit import reference_codec as rc
+from horovod_twobit.reference import codec as rc
 from horovod_twobit import wire
-from horovod_twobit.tensorflow import TwoBitCompressor, native_ops
-from horovod_twobit.tensorflow import bucket as bucket_mod
-from horovod_twobit.tensorflow import communicator
-from horovod_twobit.tensorflow.bucket import BucketExchange
+from horovod_twobit.tensorflow.codec import native_ops
+from horovod_twobit.tensorflow import TwoBitCompressor
+from horovod_twobit.tensorflow.exchange import bucket as bucket_mod
+from horovod_twobit.tensorflow.exchange import single as communicator
+from horovod_twobit.tensorflow.exchange.bucket import BucketExchange
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 

@@ -22,7 +22,7 @@ KEYS = ("b", "c")
 def _compressor(format1=False):
     c = TwoBitCompressor("auto", exchange="scatter")
     if format1:  # the objects format 1 saved: owners' residuals as the workers', no version
-        c.owners = Residuals(name="owner_residuals")
+        c.state.owners = c.owners = Residuals(name="owner_residuals")
     return c
 
 

@@ -8,13 +8,14 @@ import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 from horovod_twobit import reference as ref
-from horovod_twobit import reference_scatter as rs
-from horovod_twobit import scatter_wire as sw
+from horovod_twobit.reference import scatter as rs
+from horovod_twobit.wire import scatter as sw
 from horovod_twobit import wire
-from horovod_twobit.tensorflow import TwoBitCompressor, scatter_codec
-from horovod_twobit.tensorflow.bucket import BucketExchange, layout_of
-from horovod_twobit.tensorflow.communicator import Exchange, translate
-from horovod_twobit.tensorflow.scatter_exchange import ScatterStep
+from horovod_twobit.tensorflow.codec import scatter as scatter_codec
+from horovod_twobit.tensorflow import TwoBitCompressor
+from horovod_twobit.tensorflow.exchange.bucket import BucketExchange, layout_of
+from horovod_twobit.tensorflow.exchange.single import Exchange, translate
+from horovod_twobit.tensorflow.exchange.scatter import ScatterStep
 
 SIZES = [1, 15, 16, 17, 40, 480, 1000, 5003]
 
@@ -225,7 +226,7 @@ def test_count_planes_match_reference():
 def test_compiled_count_planes_match_reference(n, size):
     """From COMPILE_MIN_NUMEL values the planes are packed and unpacked in one XLA call each:
     the same words and counts as the reference."""
-    from horovod_twobit.tensorflow import kernels
+    from horovod_twobit.tensorflow.codec import kernels
     assert kernels._compiled(size)
     c = np.random.default_rng(n).integers(-n, n + 1, size)
     bits = sw.count_bits(n)
@@ -239,7 +240,7 @@ def test_compiled_sender_signs_match_numpy():
     """An owner's per-value (senders of +t) - (senders of -t), from COMPILE_MIN_NUMEL values in
     one XLA call: MXNet's layout decoded in NumPy (four values per byte, the first in the two
     highest bits; code 11 is +t, 10 is -t, 00 and 01 are 0)."""
-    from horovod_twobit.tensorflow import kernels
+    from horovod_twobit.tensorflow.codec import kernels
     nranks, nwords = 5, 4099
     assert kernels._compiled(16 * nwords)
     words = np.random.default_rng(3).integers(-2 ** 31, 2 ** 31, (nranks, nwords)).astype(np.int32)
@@ -255,7 +256,7 @@ def test_compiled_sender_signs_match_numpy():
 def test_chunks_past_the_compile_size_match_reference():
     """Chunks of COMPILE_MIN_NUMEL values and more take the XLA calls (the owners' signs, the count
     planes both ways): results and residuals bit for bit the reference's."""
-    from horovod_twobit.tensorflow import kernels
+    from horovod_twobit.tensorflow.codec import kernels
     n, nranks = 2 * kernels.COMPILE_MIN_NUMEL + 37, 2
     comps = [TwoBitCompressor(0.05, exchange="scatter") for _ in range(nranks)]
     w = ref.Workers(nranks, 0.05, exchange="scatter")

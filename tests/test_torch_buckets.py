@@ -10,8 +10,9 @@ import torch
 
 from horovod_twobit import reference as ref
 from horovod_twobit import wire
-from horovod_twobit.layout import Layout, assign_buckets
-from horovod_twobit.torch import codec, compiled
+from horovod_twobit.wire.layout import Layout, assign_buckets
+from horovod_twobit.torch.codec import compiled
+from horovod_twobit.torch import codec
 
 SIZES = [1, 15, 16, 17, 40, 480, 1000, 9216, 70003]
 

@@ -80,7 +80,7 @@ def test_cuda_matches_cpu():
 def test_eager_and_compiled_paths_give_the_reference_bits(monkeypatch, path, chunk):
     """Both paths, with the packing done in one chunk or in many (48 values: 3 words each), or
     in one pass of whole words as on a GPU."""
-    from horovod_twobit.torch import compiled, decode_kernels, kernels
+    from horovod_twobit.torch.codec import compiled, decode_kernels, kernels
     if chunk == "one pass":
         monkeypatch.setattr(kernels, "_one_pass", lambda device: True)
     else:
@@ -122,7 +122,7 @@ def test_pack_words_and_word_flags(monkeypatch, way, per_word):
     """kernels.pack from COMPILE_MIN_NUMEL values, in cache-sized chunks (a CPU) or in one pass
     of whole words (a GPU): the reference's words for a threshold or one per word, the flag and
     each word's NaN/Inf flag, r and g untouched; the partial last word included."""
-    from horovod_twobit.torch import compiled, kernels
+    from horovod_twobit.torch.codec import compiled, kernels
     if way != "cuda":  # a GPU packs in one pass anyway
         monkeypatch.setattr(kernels, "_one_pass", lambda device: way == "one pass")
     monkeypatch.setattr(kernels, "PACK_CHUNK", 1 << 16)
@@ -154,7 +154,7 @@ def test_pack_words_and_word_flags(monkeypatch, way, per_word):
 def test_finish_commits_and_decodes_in_one_pass(monkeypatch, path, dtype, into):
     """decode_kernels.finish = commit (r <- r + g - q) + decode-sum, written over g or into a new
     tensor: the reference's bits either way, the tail of a partial last word included."""
-    from horovod_twobit.torch import compiled, decode_kernels
+    from horovod_twobit.torch.codec import compiled, decode_kernels
     monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
     monkeypatch.setattr(compiled, "disabled", False)
     for n in (16, 1000, 4099):
@@ -185,7 +185,7 @@ def _free_memory_bytes():
 @pytest.mark.skipif(_free_memory_bytes() < 16 * 2 ** 30, reason="needs 16 GiB of free memory")
 def test_payload_of_more_than_2_to_the_31_bits():
     """2^30 + 17 values: 2^31 + 34 bits of payload; indexing past 2^31 must not wrap."""
-    from horovod_twobit.torch import compiled
+    from horovod_twobit.torch.codec import compiled
     if compiled.disabled:
         pytest.skip("needs the compiled kernels (the eager path's temporaries would not fit)")
     n = 2 ** 30 + 17

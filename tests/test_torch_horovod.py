@@ -119,7 +119,7 @@ def test_demo_runs_and_plots(tmp_path):
     png = tmp_path / "plot.png"
     res = jobs.run(2, demo, "--epochs", 2, "--plot", png, timeout=300)
     # the demo's MLP (64-256-10) travels as one bucket: one payload, as the stats count it
-    from horovod_twobit.layout import Layout
+    from horovod_twobit.wire.layout import Layout
     sizes = [64 * 256, 256, 256 * 10, 10]
     ratio = 4 * sum(sizes) / (4 * Layout(sizes, False).payload_words)
     assert "twobit epoch  2" in res.output and "ratio %4.1fx" % ratio in res.output, res

@@ -10,7 +10,7 @@ import torch
 import jobs
 import sim
 from horovod_twobit import reference as ref
-from horovod_twobit.registry import ResidualRegistry
+from horovod_twobit.state.residuals import ResidualRegistry
 
 CAST = {"fp16": lambda a: a.astype(np.float16).astype(np.float32),
         "bf16": lambda a: torch.from_numpy(a).to(torch.bfloat16).float().numpy(),
@@ -110,7 +110,7 @@ def test_state_from_another_rank_resets_with_warning():
 def test_router_leaves_horovods_own_references_alone():
     import horovod.torch as hvd
     import horovod.torch.optimizer as hvd_opt
-    from horovod_twobit.torch import _routing
+    from horovod_twobit.torch import router as _routing
     assert _routing.installed()
     assert hvd_opt.DistributedOptimizer.__module__ == "horovod.torch.optimizer"
     assert hvd.DistributedOptimizer is _routing.DistributedOptimizer
@@ -125,7 +125,7 @@ def test_router_leaves_horovods_own_references_alone():
 
 def test_min_numel_leaves_small_tensors_uncompressed():
     from horovod_twobit.torch import TwoBitCompressor
-    from horovod_twobit.torch.compressor import pending_of
+    from horovod_twobit.torch.router import pending_of
     c = TwoBitCompressor(0.5, min_numel=100)
     small, ctx = c.compress(torch.ones(99))
     assert pending_of(small) is None and ctx is None

@@ -8,9 +8,9 @@ import pytest
 import jobs
 import sim
 from horovod_twobit import reference as ref
-from horovod_twobit import scatter_wire as sw
+from horovod_twobit.wire import scatter as sw
 from horovod_twobit import wire
-from horovod_twobit.layout import Layout
+from horovod_twobit.wire.layout import Layout
 
 STEPS = 6
 ODD = (1, 17, 33, 100, 16 * 7 + 3, 3000)

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from horovod_twobit import reference as ref
-from horovod_twobit import reference_scatter as rs
-from horovod_twobit import scatter_wire as sw
+from horovod_twobit.reference import scatter as rs
+from horovod_twobit.wire import scatter as sw
 from horovod_twobit import wire
-from horovod_twobit.layout import Layout
-from horovod_twobit.torch import codec, owner_codec, scatter_codec
+from horovod_twobit.wire.layout import Layout
+from horovod_twobit.torch.codec import owner as owner_codec, scatter as scatter_codec
+from horovod_twobit.torch import codec
 from test_torch_buckets import _grads, encode_all
 
 SIZES = [1, 15, 16, 17, 40, 480, 1000, 9216, 70003]
@@ -21,7 +22,7 @@ DEVICES = ["cpu", "cpu, late division", pytest.param(
 
 
 def _device(monkeypatch, device):
-    from horovod_twobit.torch import compiled, decode_kernels
+    from horovod_twobit.torch.codec import compiled, decode_kernels
     if device == "cpu, late division":
         monkeypatch.setattr(decode_kernels, "_late_division",
                             lambda dev, n: (n >= compiled.COMPILE_MIN_NUMEL
@@ -96,7 +97,7 @@ def test_auto_results_decode_in_parts(monkeypatch, path, chunk, in_place):
     """finish_reduced writes each owner's "auto" chunk into the result kernels.PACK_CHUNK values
     at a time (whole plane words: 80 -> 64): the reference's bits whatever the part size, pieces
     and members cut by the parts included, over the gradient or into a new tensor."""
-    from horovod_twobit.torch import compiled, kernels
+    from horovod_twobit.torch.codec import compiled, kernels
     monkeypatch.setattr(kernels, "PACK_CHUNK", chunk)
     monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 0 if path == "compiled" else 1 << 62)
     nranks = 3
@@ -181,7 +182,7 @@ def test_nonfinite_member_is_nan_everywhere_and_keeps_every_residual(monkeypatch
     changed. ``big``: owners' chunks of at least COMPILE_MIN_NUMEL values, whose commit and decode
     run as one compiled pass when no member held NaN or Inf (into the output, or over the
     gradient itself when ``in_place``)."""
-    from horovod_twobit.torch import compiled
+    from horovod_twobit.torch.codec import compiled
     device = _device(monkeypatch, device)
     nranks = 3
     sizes = [40, 17, 300] if not big else [40, compiled.COMPILE_MIN_NUMEL * nranks + 7,
@@ -239,7 +240,7 @@ def test_compiled_count_planes_match_reference(monkeypatch, n, size, device):
     """From COMPILE_MIN_NUMEL values the planes are packed, and the counts scaled, by compiled
     bodies: the same words as the reference, and the same floats as the eager path's
     (count - n) * t / divisor * scale."""
-    from horovod_twobit.torch import compiled
+    from horovod_twobit.torch.codec import compiled
     device = _device(monkeypatch, device)
     assert size >= compiled.COMPILE_MIN_NUMEL
     c = np.random.default_rng(n).integers(-n, n + 1, size)
@@ -263,7 +264,7 @@ def test_owner_encode_benchmark_times_both_encodes_of_one_chunk():
     (its levels are levels.auto_levels' of each piece, its words kernels.pack's), and both
     encodes are timed on the same chunk."""
     from horovod_twobit.benchmarks import owner_encode
-    from horovod_twobit.torch import kernels, levels, owner_codec
+    from horovod_twobit.torch.codec import kernels, levels, owner as owner_codec
     lay = Layout([4096 * 4], True, *wire.validate_blocks("auto"))
     chunks = sw.Chunks(lay, 4)
     pieces, wc, nv = chunks.pieces[1], chunks.words(1), chunks.values(1)
@@ -285,7 +286,7 @@ def test_commit_runs_over_adjacent_good_members(monkeypatch, threshold, device):
     """The commit is one call per run of adjacent members without NaN or Inf, not one per member,
     and padding between members stays zero: a middle member holds an Inf in step 1 (two runs),
     the steps before and after it are one run, and every step matches the reference."""
-    from horovod_twobit.torch import kernels
+    from horovod_twobit.torch.codec import kernels
     device = _device(monkeypatch, device)
     nranks, sizes = 3, [40, 17, 300, 5, 33]
     names = ["t%d" % i for i in range(len(sizes))]
@@ -319,7 +320,7 @@ def test_chunks_compile_by_the_bucket_size(monkeypatch, threshold):
     """A bucket of at least COMPILE_MIN_NUMEL values runs its owners' sums and its finish
     compiled even where each chunk is below it; a smaller bucket runs them eagerly. Same bits
     both ways (against the reference)."""
-    from horovod_twobit.torch import compiled
+    from horovod_twobit.torch.codec import compiled
     if compiled.disabled:
         pytest.skip("torch.compile is unavailable here")
     monkeypatch.setattr(compiled, "COMPILE_MIN_NUMEL", 4096)

@@ -103,7 +103,8 @@ def _check_auto_step(step, n, t_bits, v_bits, words, residual, decoded):
 @pytest.mark.parametrize("case", AUTO, ids=AUTO_IDS)
 def test_auto_torch(case):
     torch = pytest.importorskip("torch")
-    from horovod_twobit.torch import decode, encode, levels
+    from horovod_twobit.torch.codec import levels
+    from horovod_twobit.torch import decode, encode
     n = case["numel"]
     r = torch.zeros(n)
     for step in case["steps"]:
@@ -153,7 +154,7 @@ def _check_owner_step(step, body, residual, decoded):
 @pytest.mark.parametrize("case", OWNER["cases"], ids=OWNER_IDS)
 def test_owner_torch(case):
     torch = pytest.importorskip("torch")
-    from horovod_twobit.torch import owner_codec
+    from horovod_twobit.torch.codec import owner as owner_codec
     pieces, n, nw = [tuple(p) for p in case["pieces"]], case["nvalues"], case["words"]
     e = torch.zeros(n)
     one = torch.tensor(1.0)
@@ -168,7 +169,7 @@ def test_owner_torch(case):
 def test_owner_tensorflow(case, graph):
     """Eagerly and in a tf.function (where Grappler rewrites the graph)."""
     tf = pytest.importorskip("tensorflow")
-    from horovod_twobit.tensorflow import owner_codec
+    from horovod_twobit.tensorflow.codec import owner as owner_codec
     pieces, n, nw = [tuple(p) for p in case["pieces"]], case["nvalues"], case["words"]
 
     def step_fn(e, S, bad, one):

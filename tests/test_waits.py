@@ -1,4 +1,4 @@
-"""TwoBit's waits (horovod_twobit.torch.progress.wait) poll with sleeps that double up to a
+"""TwoBit's waits (horovod_twobit.torch.exchange.progress.wait) poll with sleeps that double up to a
 longest one, and bench_cluster's hosts dilate them as they dilate Horovod's."""
 
 import os
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from horovod_twobit.torch import progress
+from horovod_twobit.torch.exchange import progress
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from ..layout import Layout
-from ..torch import codec
+from horovod_twobit.wire.layout import Layout
+from horovod_twobit.torch import codec
 
 # parameter sizes of examples/bench_buckets.py's PyTorch models
 MODELS = {

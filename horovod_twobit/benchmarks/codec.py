@@ -31,33 +31,9 @@ import time
 
 import torch
 
-from horovod_twobit.torch import codec, compiled, decode_kernels
-
-
-def _parse_size(s):
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
-    return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
-
-
-def _time_round_robin(fns, device, min_time=0.5, max_rounds=200):
-    """Median seconds of each function, timed in turns (one call of each per round), so that all
-    see the same load on a shared machine."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    for fn in fns:  # warm-up (and compilation)
-        fn()
-    sync()
-    times = [[] for _ in fns]
-    t_end = time.perf_counter() + min_time * len(fns)
-    while len(times[0]) < 5 or (time.perf_counter() < t_end and len(times[0]) < max_rounds):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+from horovod_twobit.torch.codec import compiled, decode_kernels
+from horovod_twobit.torch import codec
+from horovod_twobit.benchmarks.timing import parse_size, time_round_robin
 
 
 def measure(n, device, ranks=2, path="compiled", threshold=0.5):
@@ -71,7 +47,7 @@ def measure(n, device, ranks=2, path="compiled", threshold=0.5):
         rows = [words.clone() for _ in range(ranks)]
         ts = [threshold] * ranks
 
-        t_enc, t_dec, t_probe = _time_round_robin(
+        t_enc, t_dec, t_probe = time_round_robin(
             [lambda: codec.quantize_pack(g, r, threshold, out=words),  # as the communicator does
              lambda: decode_kernels.finish(rows, ts, r, g, threshold, ranks),
              lambda: r.add_(g)], device)
@@ -84,7 +60,7 @@ def measure(n, device, ranks=2, path="compiled", threshold=0.5):
 def measure_tf(n, device, ranks=2, path="compiled", threshold=0.5):
     """Returns a dict of GB/s figures for one size, device and path (TensorFlow)."""
     import tensorflow as tf
-    from horovod_twobit.tensorflow import kernels as tfk
+    from horovod_twobit.tensorflow.codec import kernels as tfk
 
     old = tfk.COMPILE_MIN_NUMEL
     tfk.COMPILE_MIN_NUMEL = 0 if path == "compiled" else 1 << 62
@@ -110,7 +86,7 @@ def measure_tf(n, device, ranks=2, path="compiled", threshold=0.5):
             ts = tf.fill([ranks], tf.constant(threshold, tf.float32))
             bad, count = tf.constant(False), tf.constant(float(ranks))
             # a one-value read waits for the device (eager CPU calls are synchronous anyway)
-            times = _time_round_robin([lambda: enc()[:1].numpy(),
+            times = time_round_robin([lambda: enc()[:1].numpy(),
                                        lambda: fin(rows, ts, bad, count)[:1].numpy(),
                                        lambda: (probe(), a[:1].numpy())], device)
     finally:
@@ -137,7 +113,7 @@ def main(argv=None):
                         "(horovod_twobit.benchmarks.owner_encode; --ranks default 8)")
     args = p.parse_args(argv)
     if args.owner:
-        from .owner_encode import table
+        from horovod_twobit.benchmarks.owner_encode import table
         return table(args.sizes.split(","), args.ranks or 8)
     args.ranks = args.ranks or 2
     devices = [torch.device(d) for d in args.device.split(",")
@@ -151,7 +127,7 @@ def main(argv=None):
                                                  args.sizes.split(","), args.paths.split(",")):
         if fw == "tensorflow" and dev.type == "cuda" and not _tf_gpu():
             continue
-        m = (measure if fw == "torch" else measure_tf)(_parse_size(size), dev, args.ranks, path)
+        m = (measure if fw == "torch" else measure_tf)(parse_size(size), dev, args.ranks, path)
         line = "| %s | %s | %s | %s | %.3g | %.3g | %.3g | %.0f %% | %.0f %% |" % (
             fw, dev.type, size.strip(), path, m["encode"], m["decode"], m["probe"],
             100 * m["encode"] / m["probe"], 100 * m["decode"] / m["probe"])

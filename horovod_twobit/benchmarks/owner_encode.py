@@ -10,14 +10,14 @@ between summing the chunk and sending it (the sum itself, the same in both, is n
 
 - 2-bit (scatter format 1): the least-squares levels of each piece (``levels.auto_levels``, all
   nine candidate multiples of mean |x|), the packed 2-bit words, the residual's commit;
-- 3-bit (format 2, :func:`horovod_twobit.torch.owner_codec.owner_encode`): each piece's max |x|,
+- 3-bit (format 2, :func:`horovod_twobit.torch.codec.owner.owner_encode`): each piece's max |x|,
   the codes k = round(x / a), their three planes, the residual x - k * a.
 
 PyTorch: eager ops, as the binding runs them. TensorFlow (:mod:`horovod_twobit.tensorflow.
 owner_codec` against format 1's owner encode, rebuilt here as it was: ``codec._row_levels`` over
 tables of equal-length pieces, ``codec.codes`` / ``pack`` / ``committed``, the bad members'
 residuals kept): path ``function``, each in a ``tf.function`` (graph ops, no XLA), as the binding
-runs its exchange, or ``eager``. CPU; the two take turns (see ``codec._time_round_robin``), each
+runs its exchange, or ``eager``. CPU; the two take turns (see ``timing.time_round_robin``), each
 figure the median of the calls.
 """
 
@@ -27,11 +27,11 @@ import functools
 import numpy as np
 import torch
 
-from .. import scatter_wire as sw
-from .. import wire
-from ..layout import Layout
-from ..torch import kernels, levels, owner_codec
-from .codec import _parse_size, _time_round_robin
+from horovod_twobit.wire import scatter as sw
+from horovod_twobit import wire
+from horovod_twobit.wire.layout import Layout
+from horovod_twobit.torch.codec import kernels, levels, owner as owner_codec
+from horovod_twobit.benchmarks.timing import parse_size, time_round_robin
 
 
 def piece_levels(pieces, r, g, rule="lsq"):
@@ -79,7 +79,7 @@ def measure(n, ranks=8):
     S = torch.randn(nv) * torch.rand(nv) ** 4  # a heavy-tailed sum
     r2, r3 = torch.zeros(nv), torch.zeros(nv)
     bad = [False] * chunks.layout.members
-    t2, t3 = _time_round_robin(
+    t2, t3 = time_round_robin(
         [lambda: encode_2bit(pieces, words, wc, r2, S),
          lambda: owner_codec.owner_encode(pieces, wc, r3, S, bad, words)], torch.device("cpu"))
     return t2 / nv, t3 / nv, len(pieces)
@@ -89,7 +89,7 @@ def piece_levels_tf(pieces, x, rule="lsq"):
     """The 2-bit phase 2's levels in TF ops, as format 1's owner computed them: (thresholds,
     magnitudes) of ``x`` over each piece, each table of equal-length pieces one reduction."""
     import tensorflow as tf
-    from ..tensorflow import codec
+    from horovod_twobit.tensorflow import codec
     name, k = wire.parse_rule(rule)
     by_len = {}
     for i, p in enumerate(pieces):
@@ -114,8 +114,8 @@ def encode_2bit_tf(chunks, owner, residual, S, bad):
     """Format 1's owner encode in TF ops: (magnitudes as int32 and packed words, the new
     residual; pieces of ``bad`` members keep theirs)."""
     import tensorflow as tf
-    from ..tensorflow import codec
-    from ..tensorflow.scatter_codec import piece_values
+    from horovod_twobit.tensorflow import codec
+    from horovod_twobit.tensorflow.codec.scatter import piece_values
     pieces = chunks.pieces[owner]
     x = residual + S
     ts, vs = piece_levels_tf(pieces, x)
@@ -130,7 +130,7 @@ def encode_2bit_tf(chunks, owner, residual, S, bad):
 def measure_tf(n, ranks=8, path="function"):
     """:func:`measure` for the TensorFlow binding (``path``: "function" or "eager")."""
     import tensorflow as tf
-    from ..tensorflow import owner_codec as tf_owner
+    from horovod_twobit.tensorflow.codec import owner as tf_owner
     chunks, pieces, wc, nv = _chunk(n, ranks)
     S = tf.constant((torch.randn(nv) * torch.rand(nv) ** 4).numpy())  # a heavy-tailed sum
     r, bad = tf.zeros([nv], tf.float32), tf.zeros([chunks.layout.members], tf.bool)
@@ -139,7 +139,7 @@ def measure_tf(n, ranks=8, path="function"):
     if path == "function":
         enc2, enc3 = (tf.function(f, autograph=False) for f in (enc2, enc3))
     # CPU ops run synchronously: a call returns once its results exist
-    t2, t3 = _time_round_robin([lambda: enc2(r, S, bad), lambda: enc3(r, S, bad)],
+    t2, t3 = time_round_robin([lambda: enc2(r, S, bad), lambda: enc3(r, S, bad)],
                                torch.device("cpu"))
     return t2 / nv, t3 / nv, len(pieces)
 
@@ -153,7 +153,7 @@ def table(sizes, ranks, out=print, frameworks=("torch",), paths=("function",)):
     runs += [("tensorflow", p) for p in paths if "tensorflow" in frameworks]
     for fw, path in runs:
         for size in sizes:
-            n = _parse_size(size)
+            n = parse_size(size)
             t2, t3, k = measure(n, ranks) if fw == "torch" else measure_tf(n, ranks, path)
             rows.append((fw, path, n, t2, t3))
             name = fw if path is None else "%s (%s)" % (fw, path)

@@ -43,7 +43,7 @@ def add_reads(steps_of, counts, build, fit=False):
 def _reader(compressor, fit):
     if not fit:
         return lambda _: compressor.stats()
-    from ..tensorflow import TwoBitStatsCallback
+    from horovod_twobit.tensorflow import TwoBitStatsCallback
     callback = TwoBitStatsCallback(compressor, every=1)
     return lambda loss: callback.on_train_batch_end(0, {"loss": float(loss)})
 

@@ -33,8 +33,8 @@ def measure(threshold, nranks=2, repeat=200, shapes=MLP_SHAPES, clock=time.perf_
     """{"call": ms, "encode": ms, "encode+finish": ms} for one bucket of ``shapes``."""
     import tensorflow as tf
     import horovod.tensorflow.mpi_ops as mpi_ops
-    from ..tensorflow import TwoBitCompressor
-    from ..tensorflow.bucket import BucketExchange
+    from horovod_twobit.tensorflow import TwoBitCompressor
+    from horovod_twobit.tensorflow.exchange.bucket import BucketExchange
     gs = [tf.random.normal(s) * 0.01 for s in shapes]
     keys = ["v%d" % i for i in range(len(shapes))]
     comp = TwoBitCompressor(threshold)

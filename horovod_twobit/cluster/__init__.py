@@ -38,63 +38,17 @@ import shutil
 import subprocess
 import sys
 
-from .accounting import iface_bytes, parse_rate
-from .cleanup import _leftovers, teardown
-from .errors import ClusterError, ClusterUnavailable
-from .hosts import Host
-from .jobs import Result
-from .processes import _pid_alive
-from .sshd import SSH, SSH_KEYGEN, SSHD, _root_known_hosts
-from .state import STATE_DIR
-from .virtual_cluster import VirtualCluster
-from .cli import _main
+from horovod_twobit.cluster.accounting import iface_bytes, parse_rate
+from horovod_twobit.cluster.cleanup import _leftovers, teardown
+from horovod_twobit.cluster.errors import ClusterError, ClusterUnavailable
+from horovod_twobit.cluster.hosts import Host
+from horovod_twobit.cluster.jobs import Result
+from horovod_twobit.cluster.processes import _pid_alive
+from horovod_twobit.cluster.sshd import SSH, SSH_KEYGEN, SSHD, _root_known_hosts
+from horovod_twobit.cluster.state import STATE_DIR
+from horovod_twobit.cluster.virtual_cluster import VirtualCluster
+from horovod_twobit.cluster.cli import _main
+from horovod_twobit.cluster.capabilities import _capabilities, _which, unavailable_reason  # noqa: F401
 
 __all__ = ["VirtualCluster", "ClusterUnavailable", "ClusterError", "Result", "unavailable_reason",
            "iface_bytes", "parse_rate"]
-
-
-def _which(name, fallback):
-    return shutil.which(name) or (fallback if os.path.exists(fallback) else None)
-
-
-CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21  # veth, bridges, tc; `ip netns add` mounts
-
-
-def _capabilities():
-    """This process's effective capabilities (a bit mask), or None where /proc does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return int(line.split()[1], 16)
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def unavailable_reason():
-    """None when a virtual cluster can be created here, else why not (a sentence)."""
-    if not sys.platform.startswith("linux"):
-        return "the virtual cluster needs Linux network namespaces (this is %s)" % sys.platform
-    if os.geteuid() != 0:
-        return ("the virtual cluster needs root (network namespaces, veth, tc, sshd): run as root, "
-                "e.g. sudo %s -m horovod_twobit.cluster ..." % sys.executable)
-    caps = _capabilities()
-    missing = [name for name, bit in (("CAP_NET_ADMIN", CAP_NET_ADMIN), ("CAP_SYS_ADMIN", CAP_SYS_ADMIN))
-               if caps is not None and not caps >> bit & 1]
-    if missing:
-        return ("the virtual cluster needs %s (network namespaces, veth, tc), which this root "
-                "lacks, as in a container: run the container with --privileged"
-                % " and ".join(missing))
-    for tool, path in (("ip", "/usr/sbin/ip"), ("tc", "/usr/sbin/tc"), ("sshd", SSHD),
-                       ("ssh", SSH), ("ssh-keygen", SSH_KEYGEN)):
-        if _which(tool, path) is None:
-            return ("%s is not installed: install iproute2, openssh-server and openssh-client "
-                    "(bash scripts/setup.sh does)" % tool)
-    try:
-        p = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return "`ip netns list` failed: %s" % e
-    if p.returncode != 0:
-        return "`ip netns` is unavailable here: %s" % (p.stderr.strip() or "exit %d" % p.returncode)
-    return None

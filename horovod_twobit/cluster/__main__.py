@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli import _main
+from horovod_twobit.cluster.cli import _main
 
 if __name__ == "__main__":
     sys.exit(_main())

@@ -4,7 +4,7 @@ root-side veths (``VirtualCluster.counters``) or, inside a host, of its own inte
 
 import re
 
-from .errors import ClusterError
+from horovod_twobit.cluster.errors import ClusterError
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(|k|m|g|t)(bit|bps)$", re.I)
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}

@@ -12,10 +12,10 @@ import signal
 import subprocess
 import threading
 
-from . import cpu
-from .processes import _kill_ns_processes, _run
-from .sshd import _clean_known_hosts
-from .state import STATE_DIR, state_path
+from horovod_twobit.cluster import cpu
+from horovod_twobit.cluster.processes import _kill_ns_processes, _run
+from horovod_twobit.cluster.sshd import _clean_known_hosts
+from horovod_twobit.cluster.state import STATE_DIR, state_path
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 

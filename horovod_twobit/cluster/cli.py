@@ -13,10 +13,10 @@ import os
 import shlex
 import sys
 
-from . import cpu
-from .cleanup import _leftovers, teardown
-from .errors import ClusterError, ClusterUnavailable
-from .virtual_cluster import VirtualCluster
+from horovod_twobit.cluster import cpu
+from horovod_twobit.cluster.cleanup import _leftovers, teardown
+from horovod_twobit.cluster.errors import ClusterError, ClusterUnavailable
+from horovod_twobit.cluster.virtual_cluster import VirtualCluster
 
 
 def _main(argv=None):

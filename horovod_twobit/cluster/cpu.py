@@ -24,7 +24,7 @@ import os
 import signal
 import time
 
-from .errors import ClusterError
+from horovod_twobit.cluster.errors import ClusterError
 
 V1_MOUNT = "/sys/fs/cgroup/cpu"
 DEFAULT_PERIOD_US = 100000  # the kernel's and Mininet's default

@@ -29,9 +29,9 @@ import re
 import socket
 import subprocess
 
-from .accounting import parse_rate
-from .errors import ClusterError
-from .processes import _run
+from horovod_twobit.cluster.accounting import parse_rate
+from horovod_twobit.cluster.errors import ClusterError
+from horovod_twobit.cluster.processes import _run
 
 _DELAY = re.compile(r"^\d+(?:\.\d+)?(us|usec|ms|msec|s|sec)$")
 

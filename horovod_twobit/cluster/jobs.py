@@ -10,7 +10,7 @@ import tempfile
 import threading
 import time
 
-from .processes import _kill_group, _kill_ns_processes
+from horovod_twobit.cluster.processes import _kill_group, _kill_ns_processes
 
 
 class Result:

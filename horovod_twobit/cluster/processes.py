@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 
-from .errors import ClusterError
+from horovod_twobit.cluster.errors import ClusterError
 
 
 def _run(argv, check=True, timeout=60, input=None):

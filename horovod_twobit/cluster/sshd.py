@@ -18,8 +18,8 @@ import socket
 import subprocess
 import time
 
-from .errors import ClusterError
-from .processes import _run
+from horovod_twobit.cluster.errors import ClusterError
+from horovod_twobit.cluster.processes import _run
 
 SSHD = "/usr/sbin/sshd"
 SSH = "/usr/bin/ssh"

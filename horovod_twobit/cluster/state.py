@@ -5,7 +5,7 @@ to run jobs on that cluster, show it or remove it. Teardown deletes it."""
 import json
 import os
 
-from .errors import ClusterError
+from horovod_twobit.cluster.errors import ClusterError
 
 STATE_DIR = "/run/horovod-twobit-cluster"
 

@@ -10,11 +10,11 @@ import sys
 import tempfile
 import threading
 
-from . import cleanup, cpu, jobs, sshd
-from .accounting import counters, parse_rate
-from .errors import ClusterError, ClusterUnavailable
-from .hosts import _DELAY, check_free, create_network, dilate, make_hosts
-from .state import read_state, write_state
+from horovod_twobit.cluster import capabilities, cleanup, cpu, jobs, sshd
+from horovod_twobit.cluster.accounting import counters, parse_rate
+from horovod_twobit.cluster.errors import ClusterError, ClusterUnavailable
+from horovod_twobit.cluster.hosts import _DELAY, check_free, create_network, dilate, make_hosts
+from horovod_twobit.cluster.state import read_state, write_state
 
 
 class VirtualCluster:
@@ -114,8 +114,7 @@ class VirtualCluster:
 
     def up(self):
         """Creates the cluster. On any failure everything created so far is removed."""
-        from . import unavailable_reason  # the package's, whose _which callers may replace
-        reason = unavailable_reason()
+        reason = capabilities.unavailable_reason()
         if reason:
             raise ClusterUnavailable(reason)
         with self._lock:

@@ -9,11 +9,11 @@ Python looks ``hvd.allreduce`` up before it builds the compressor. Calls without
 go to Horovod unchanged.
 """
 
-from .codec import auto_levels, auto_threshold, decode, encode
-from .compressor import TwoBitCompressor
-from .callbacks import TwoBitStatsCallback
-from ._routing import install, installed, uninstall
-from ..wire import PayloadMismatchError
+from horovod_twobit.tensorflow.codec import auto_levels, auto_threshold, decode, encode
+from horovod_twobit.tensorflow.compressor import TwoBitCompressor
+from horovod_twobit.tensorflow.callbacks import TwoBitStatsCallback
+from horovod_twobit.tensorflow.router import install, installed, uninstall
+from horovod_twobit.wire import PayloadMismatchError
 
 install()
 

@@ -2,12 +2,12 @@
 
 import tensorflow as tf
 
-from ..stats import scalars
+from horovod_twobit.state.stats import scalars
 
 
 class TwoBitStatsCallback(tf.keras.callbacks.Callback):
     """Adds ``compressor.stats()``, flattened to ``twobit/...`` numbers
-    (:func:`horovod_twobit.stats.scalars`), to Keras' ``logs`` at the end of every epoch, and
+    (:func:`horovod_twobit.state.stats.scalars`), to Keras' ``logs`` at the end of every epoch, and
     every ``every`` batches when given, so that ``TensorBoard``, ``CSVLogger`` and ``History``
     record them. Put it before those callbacks in the list::
 

@@ -11,15 +11,47 @@ import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 
-from . import communicator
-from .compressor import TwoBitCompressor
+from horovod_twobit.tensorflow.exchange import single as communicator
+from horovod_twobit.tensorflow.state import TwoBitState
 
 _local = threading.local()
+_FACES = set()  # the compressor classes over a TwoBitState: passed as a class, refused
+
+
+class _Unrouted:
+    """The context ``compress`` hands to Horovod when a tensor reaches ``compress`` at all: that
+    only happens when the router is not installed, and the tensor then travels uncompressed."""
+
+    __slots__ = ()
+
+
+UNROUTED = _Unrouted()
+
+
+def register_face(cls):
+    """Makes the router refuse ``compression=cls`` (the class, not an instance) with the fix."""
+    _FACES.add(cls)
+    return cls
+
+
+def state_of(compression):
+    """The :class:`TwoBitState` behind a ``TwoBitCompressor`` instance, else None. (The router
+    knows compressors by their state: the face imports the router, not the reverse.)"""
+    plain = getattr(compression, "__dict__", {}).get("_plain")
+    state = getattr(plain, "state", None)
+    return state if isinstance(state, TwoBitState) else None
 
 
 @contextlib.contextmanager
 def keyed(keys):
-    """Residual keys for the next allreduce / grouped allreduce this thread makes."""
+    """Residual keys for the next allreduce / grouped allreduce this thread makes.
+
+    The one detour of a gradient's route, and why: ``DistributedGradientTape`` and the
+    ``DistributedOptimizer`` s reach the router through Horovod's ``_allreduce_cond`` /
+    ``_grouped_allreduce_cond``, which keep Horovod's process-set condition (ranks outside the
+    set skip the collective) and take no residual keys. :mod:`.grads_fn` puts each gradient's
+    key (its variable's name) here, and the router takes it back (:func:`take_keys`) on the same
+    thread, in the same call."""
     prev = getattr(_local, "keys", None)
     _local.keys = list(keys)
     try:
@@ -39,7 +71,7 @@ def normalize(name):
 
 
 def check_compression(compression):
-    if compression is TwoBitCompressor:
+    if compression in _FACES:
         raise TypeError("pass an instance, e.g. compression=TwoBitCompressor(0.5), not the class")
 
 

@@ -14,8 +14,8 @@ import horovod.tensorflow.mpi_ops as mpi_ops
 from horovod.common.util import split_list
 from horovod.tensorflow.util import refs_to_vars, vars_to_refs
 
-from .. import layout
-from . import checks
+from horovod_twobit.wire import layout
+from horovod_twobit.tensorflow import checks
 
 _lock = threading.Lock()
 _fns = {}

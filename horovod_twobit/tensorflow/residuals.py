@@ -9,7 +9,7 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import base as trackable
 
-from .. import scatter_wire
+from horovod_twobit.wire import scatter as scatter_wire
 
 FORMAT1_WARNING = (
     "horovod-twobit: this tf.train.Checkpoint holds scatter owner residuals of scatter format 1 "

@@ -18,7 +18,7 @@ turn the watch off, so that the steps between them do no host work. Otherwise
 (:meth:`Slots.snapshot`) the rows are fetched, with the residual norms the steps did not compute
 (per tensor, the scatter exchange, the fallback, after the residuals were loaded or reset), in one
 traced call (:func:`residual_norms`). Both are summarized as the PyTorch
-binding does (:func:`horovod_twobit.stats.summarize`)."""
+binding does (:func:`horovod_twobit.state.stats.summarize`)."""
 
 import itertools
 import threading
@@ -28,8 +28,10 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
-from .. import scatter_wire, stats
-from . import codec, native_ops
+from horovod_twobit.wire import scatter as scatter_wire
+from horovod_twobit.state import stats
+from horovod_twobit.tensorflow.codec import native_ops
+from horovod_twobit.tensorflow import codec
 
 # a slot's row: steps, non-finite steps, stamp, whether a read watched the step (its norms were
 # computed), then its summary (sent, sum of levels, number of levels, sum of squares, max |r|)
@@ -141,7 +143,7 @@ class Slots:
             return list(tf.identity_n(results))
 
     def snapshot(self, reader, threshold, per_tensor=False, reset=False):
-        """The stats as :func:`horovod_twobit.stats.summarize` gives them; ``reader``: the
+        """The stats as :func:`horovod_twobit.state.stats.summarize` gives them; ``reader``: the
         compressor's :func:`residual_norms` (every slot, and the residual norms the slots do not
         hold, in one traced call)."""
         with self._lock:
@@ -205,9 +207,9 @@ class Slots:
         """:meth:`snapshot`'s common case, with less Python (a read right after a step runs
         cold: 60-80 us against 105-120 us on the MLP): while watched, every slot's row in the
         ops' table, from a watched step no more than two steps after the last read, each bucket
-        in one slot; the dict that :func:`horovod_twobit.stats.summarize` gives, built straight from
-        the rows with its parts (:func:`~horovod_twobit.stats.bucket_entry`,
-        :func:`~horovod_twobit.stats.overall`). None where the case does not hold (then
+        in one slot; the dict that :func:`horovod_twobit.state.stats.summarize` gives, built straight from
+        the rows with its parts (:func:`~horovod_twobit.state.stats.bucket_entry`,
+        :func:`~horovod_twobit.state.stats.overall`). None where the case does not hold (then
         :meth:`snapshot` reads as usual)."""
         table = self._table
         if table is None or table[0] != slots or not table[2]:
@@ -286,7 +288,7 @@ def _to_host(slot, row):
 def _counts(layout, payload):
     """(values sent as +-level, sum of the levels, number of levels) of this rank's ``payload``
     (a bucket or tensor of ``layout``), float64 in the graph, as
-    :func:`horovod_twobit.stats.payload_counts` counts them: the codes 10 and 11 (high bit set)
+    :func:`horovod_twobit.state.stats.payload_counts` counts them: the codes 10 and 11 (high bit set)
     of its packed words; the magnitudes it carries with "auto" (else zeros: the threshold is
     known). The fallback (``payload`` None) sends every value."""
     if payload is None:

@@ -6,11 +6,11 @@ Importing this module installs the router around Horovod's allreduce entry point
 the compressor exists, is routed too); :func:`uninstall` removes it, :func:`install` puts it back.
 """
 
-from .codec import decode, encode
-from .compressor import TwoBitCompressor
-from ._routing import install, installed, uninstall
-from .elastic import TwoBitStateHandler, register as _register_elastic
-from ..wire import PayloadMismatchError
+from horovod_twobit.torch.codec import decode, encode
+from horovod_twobit.torch.compressor import TwoBitCompressor
+from horovod_twobit.torch.router import install, installed, uninstall
+from horovod_twobit.torch.elastic import TwoBitStateHandler, register as _register_elastic
+from horovod_twobit.wire import PayloadMismatchError
 
 __all__ = ["encode", "decode", "TwoBitCompressor", "install", "uninstall", "installed",
            "PayloadMismatchError", "TwoBitStateHandler"]

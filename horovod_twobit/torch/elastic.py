@@ -17,7 +17,7 @@ with :class:`TwoBitStateHandler` (registered when ``horovod_twobit.torch`` is im
 
 import horovod.torch.elastic.state as _state
 
-from .compressor import TwoBitCompressor
+from horovod_twobit.torch.compressor import TwoBitCompressor
 
 
 class TwoBitStateHandler(_state.StateHandler):
@@ -28,14 +28,14 @@ class TwoBitStateHandler(_state.StateHandler):
         self._saved = self._snapshot()
 
     def _snapshot(self):
-        c = self.value
+        c = self.value.state
         return c.residuals.state_dict(), c.owners.state_dict(), c._owner_of
 
     def save(self):
         self._saved = self._snapshot()
 
     def restore(self):
-        c = self.value
+        c = self.value.state
         residuals, owners, c._owner_of = self._saved
         c.residuals.load_state_dict(residuals)
         c.owners.load_state_dict(owners)
@@ -44,7 +44,7 @@ class TwoBitStateHandler(_state.StateHandler):
     def sync(self):
         """Nothing to synchronize: residuals are per worker by design. The workers may have
         changed, so scatter buckets announce their exchange again on their next step."""
-        self.value.agreed.clear()
+        self.value.state.agreed.clear()
 
 
 def register():

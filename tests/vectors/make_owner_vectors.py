@@ -1,5 +1,5 @@
 """Writes tests/vectors/owner3.json, the test vectors of the scatter exchange's "auto" phase 2
-(the owner's 3-bit re-encoding, :func:`horovod_twobit.reference_scatter.owner_quantize`), from
+(the owner's 3-bit re-encoding, :func:`horovod_twobit.reference.scatter.owner_quantize`), from
 the NumPy reference.
 
     python tests/vectors/make_owner_vectors.py           # rewrite the file
@@ -21,8 +21,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from horovod_twobit import reference_scatter as rs  # noqa: E402
-from horovod_twobit import scatter_wire as sw  # noqa: E402
+from horovod_twobit.reference import scatter as rs  # noqa: E402
+from horovod_twobit.wire import scatter as sw  # noqa: E402
 
 sys.path.insert(0, HERE)
 import make_vectors  # noqa: E402
@@ -89,7 +89,7 @@ def build():
     one = [(0, 0, 0, 200, 13)]
     cases.append(_case("one_piece_n200", one, 13, [_padded(rng, one, 200, 3.0) for _ in range(3)]))
     return {"format_version": sw.FORMAT_VERSION, "owner_levels": sw.OWNER_LEVELS,
-            "generator": "tests/vectors/make_owner_vectors.py (horovod_twobit.reference_scatter)",
+            "generator": "tests/vectors/make_owner_vectors.py (horovod_twobit.reference.scatter)",
             "cases": cases}
 
 

@@ -47,7 +47,7 @@ def run(spec):
                          bucket_bytes=2048, exchange=exchange,
                          fallback="always" if mode == "always" else "auto")
     if mode == "switch":
-        c._plain.decisions = Forced()
+        c.state.decisions = Forced()
 
     def train_step(x, y, f):
         w0, b0, w1, b1 = variables
@@ -87,8 +87,8 @@ def run(spec):
         rec["plain_bytes/%d" % step] = np.int64(st["bytes_last_step"]["plain"])
     for n, v in zip(NAMES, variables):
         rec["w/" + n] = v.numpy().reshape(-1)
-    rec["link"] = np.array(json.dumps([repr(v) for v in c._plain.links.values()]))
-    rec["link_allgather"] = np.array([v.allgather for v in c._plain.links.values()],
+    rec["link"] = np.array(json.dumps([repr(v) for v in c.state.links.values()]))
+    rec["link_allgather"] = np.array([v.allgather for v in c.state.links.values()],
                                      dtype=np.float64)
     rec["repr"] = np.array(repr(c))
     return rec

@@ -142,7 +142,7 @@ for i, cell in enumerate(fc.cells("tf", size)):
     for n, v in zip(names, model.trainable_variables):
         rec["w/" + n] = v.numpy()
     # buckets of several tensors have a layout; the tensors in none went alone
-    buckets = [list(k[1]) for k in c._plain.eager_fns if k[0] == "layout" and len(k[1]) > 1]
+    buckets = [list(k[1]) for k in c.state.eager_fns if k[0] == "layout" and len(k[1]) > 1]
     groups = buckets + [[n] for n in names if all(n not in b for b in buckets)]
     rec["groups"] = np.array([",".join(g) for g in groups])
     os.makedirs(os.path.join(args.out, str(i)), exist_ok=True)

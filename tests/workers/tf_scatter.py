@@ -64,7 +64,7 @@ def record(rec, mode, names, step, local, agg):
 
 
 def layouts(c):
-    return np.array([",".join(k[1]) for k in c._plain.eager_fns if k[0] == "layout"])
+    return np.array([",".join(k[1]) for k in c.state.eager_fns if k[0] == "layout"])
 
 
 def run(threshold, exchange):

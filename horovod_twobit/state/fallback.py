@@ -1,0 +1,150 @@
+"""When compression does not pay: the decision behind ``TwoBitCompressor(..., fallback="auto")``.
+
+A bucket is compressed when the step-time model (:func:`horovod_twobit.model.steptime.bucket_s`, what
+the advisor charges a bucket) says its exchange takes less time than Horovod's ring allreduce of
+the same values, else it is sent uncompressed as g + r (see the bindings' plain flights): with
+error feedback the switch is exact, so the fallback never loses accuracy, only the bytes it would
+have saved.
+
+The model's inputs are measured once per number of ranks, and rank 0's figures are used by
+every rank, so every rank decides alike (:func:`figures`, each binding's ``link.measure``):
+
+* a one-value allreduce: the model's fixed cost per collective (``Wire.collective_s``), which at
+  this N holds the collective's messages, negotiation and cycle wait as well, so the model's
+  per-message alpha and cycle are 0 here;
+* a ``BIG``-value allreduce beyond it: the seconds per byte a rank sends in a ring allreduce
+  (beta), its reduction and copies included (the profile's sum and copy costs are 0 here);
+* an allgather that sends each rank as many bytes, beyond a one-value one: the allgather's pace
+  against the allreduce's (the profile's ``allgather_pace``; Gloo's allgather between two ranks
+  sends, then receives, and takes up to twice as long:
+  :func:`horovod_twobit.model.collectives.allgather_pace`);
+* a step's codec work on ``BIG`` and on ``SMALL`` values (one encode and the decode-sum of N
+  payloads): the codec's seconds per value and its fixed cost per bucket, the profile's codec
+  terms (``n a`` and ``c0``).
+
+The collectives' bytes are the formats' own (:mod:`horovod_twobit.wire.scatter`, the allgather
+payload), counted by the model.
+"""
+
+import logging
+import time
+
+from horovod_twobit.model import steptime
+
+FALLBACKS = (None, "auto", "always")
+BIG = 1 << 20  # values of the timed allreduce (4 MB) and of the timed codec pass
+SMALL = 1 << 10  # values of the codec pass that tells its fixed cost per bucket
+_log = logging.getLogger("horovod_twobit")
+
+
+def validate_fallback(fallback):
+    if fallback not in FALLBACKS:
+        raise ValueError("fallback must be None (always compress), \"auto\" (send a bucket "
+                         "uncompressed where compression would not pay) or \"always\" (never "
+                         "compress), got %r" % (fallback,))
+    return fallback
+
+
+class Link:
+    """Measured figures: ``rate`` (bytes/s a rank sends in a ring allreduce), ``latency``
+    (seconds of a one-value allreduce: the fixed cost of a collective), ``codec`` (values/s of a
+    step's codec work: one encode and the decode-sum of N payloads), ``codec_fixed`` (seconds
+    that work costs a bucket whatever its size: the calls, the levels' reductions, the
+    launches) and ``allgather`` (how many times the allreduce's time per byte an allgather's
+    bytes take); :meth:`wire` and :meth:`profile` give them to the step-time model."""
+
+    def __init__(self, rate, latency, codec, codec_fixed=0.0, allgather=1.0):
+        self.rate, self.latency, self.codec = float(rate), float(latency), float(codec)
+        self.codec_fixed, self.allgather = float(codec_fixed), float(allgather)
+
+    def wire(self, nranks):
+        """The step-time model's :class:`~horovod_twobit.model.steptime.Wire` of this link."""
+        return steptime.Wire(nranks, alpha=0.0, beta=1.0 / self.rate, collective_s=self.latency)
+
+    def profile(self):
+        """The measured codec as a step-time device profile: the encode's entry carries the
+        whole pass timed (an encode and the decode-sum of N payloads, at this N), the other
+        codec entries are 0, and so are the costs the measured rate already holds; the
+        allgather's pace is the measured one."""
+        enc, zero = [self.codec_fixed, 0.0, 1.0 / self.codec, 0.0], [0.0] * 4
+        return {"name": "fallback", "kind": "measured", "serial": False, "message_s": 0.0,
+                "allgather_pace": self.allgather,
+                "codec": {k: enc if "encode" in k else zero for k in steptime.CODEC_KEYS},
+                **dict.fromkeys(("sum_fp32_s", "sum_fp16_s", "cast_fp16_s", "copy_s_per_byte",
+                                 "optimizer_s", "powersgd_s", "kernel_s_per_byte"), 0.0)}
+
+    def __repr__(self):
+        return ("Link(%.3g bytes/s, %.3g s/collective, codec %.3g values/s + %.3g s/bucket, "
+                "allgather %.2fx)" % (self.rate, self.latency, self.codec, self.codec_fixed,
+                                      self.allgather))
+
+
+def codec_figures(seconds, big=BIG, small=SMALL):
+    """(values/s, fixed seconds per bucket) from a codec pass timed on ``big`` and on ``small``
+    values (``seconds(n)``)."""
+    t_big, t_small = seconds(big), seconds(small)
+    rate = big / max(t_big, 1e-12)
+    return rate, max(0.0, t_small - small / rate)
+
+
+def allgather_values(nranks):
+    """Values per rank of the timed allgather: each rank then sends as many bytes as in the
+    ``BIG``-value ring allreduce, (N - 1) x 2 BIG / N float32 values."""
+    return max(1, 2 * BIG // max(int(nranks), 1))
+
+
+def figures(nranks, allreduce, codec_seconds, rounds=5, allgather=None):
+    """[rate, latency, codec values/s, codec fixed seconds, allgather pace], the :class:`Link`
+    arguments, from timed allreduces of 1 and ``BIG`` values (``allreduce(values, round)`` runs
+    one), allgathers of 1 and :func:`allgather_values` values per rank (``allgather(values,
+    round)``; without it, or on one rank, the pace is 1) and the codec pass
+    ``codec_seconds(n)``: what each binding's ``link.measure`` broadcasts from rank 0. The
+    collectives take turns, ``rounds`` times, and the best of each counts, so that a change in
+    the machine's load falls on all alike. The allgather's pace: its time beyond the one-value
+    allgather's over the allreduce's beyond the one-value allreduce's, for the same bytes
+    sent."""
+    N = max(int(nranks), 1)
+    gather = allgather is not None and N > 1
+    runs = [(allreduce, 1), (allreduce, BIG)]
+    if gather:
+        runs += [(allgather, 1), (allgather, allgather_values(N))]
+    best = [float("inf")] * len(runs)
+    for i in range(rounds):
+        for k, (run, values) in enumerate(runs):
+            t0 = time.perf_counter()
+            run(values, i)
+            best[k] = min(best[k], time.perf_counter() - t0)
+    moved = 2 * (N - 1) / N * 4 * BIG  # bytes each rank sends in a ring allreduce
+    small, big = best[0], best[1]
+    pace = max(best[3] - best[2], 1e-9) / max(big - small, 1e-9) if gather else 1.0
+    return [moved / max(big - small, 1e-9), small, *codec_figures(codec_seconds), pace]
+
+
+def decide(decisions, names, layout, nranks, exchange, fallback, link):
+    """Whether the bucket of ``names`` goes uncompressed with ``nranks`` ranks (``fallback``
+    "always", or "auto" where ``link()``, the measured :class:`Link`, says compression would not
+    pay with ``exchange``). Decided once per bucket and number of ranks, kept in ``decisions``
+    ((bucket key, N) -> "compressed" / "plain") and logged once."""
+    from horovod_twobit.wire.scatter import owner_key
+    key = (owner_key(names), nranks)
+    got = decisions.get(key)
+    if got is None:
+        plain = fallback == "always" or not compress_pays(layout, nranks, exchange, link())
+        got = decisions[key] = "plain" if plain else "compressed"
+        _log.info("horovod-twobit: bucket %s (%d values, %d ranks): %s", key[0],
+                  sum(layout.numels), nranks, got)
+    return got == "plain"
+
+
+def times(layout, nranks, exchange, link):
+    """(seconds of the compressed exchange, seconds of a plain ring allreduce) for one step of a
+    bucket of ``layout`` with ``exchange`` ("allgather" or "scatter", as decided), by the
+    step-time model fed with the measured ``link``."""
+    wire, prof = link.wire(nranks), link.profile()
+    return (steptime.bucket_s(layout, exchange, nranks, wire, prof),
+            steptime.bucket_s(layout, "plain", nranks, wire, prof))
+
+
+def compress_pays(layout, nranks, exchange, link):
+    comp, plain = times(layout, nranks, exchange, link)
+    return comp < plain

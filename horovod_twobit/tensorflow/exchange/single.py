@@ -1,0 +1,229 @@
+"""The communicator: allgather the 2-bit payloads, decode every rank's, sum them in rank order.
+
+Packed words cannot go through a summing allreduce, so each rank allgathers ``header + words``
+(2 bits per value plus 20 bytes), checks that every rank sent a compatible payload, decodes each one
+and sums them in rank order. With ``threshold="auto"`` each rank chooses its threshold and
+magnitude from its own r + g (:func:`~horovod_twobit.tensorflow.codec.auto_levels`), sends the
+magnitude in header word 4 with :data:`~horovod_twobit.wire.FLAG_AUTO`, and every receiver decodes
+each payload with its sender's.
+Every rank runs the same float32 arithmetic on the same bytes, so the result is bitwise identical
+everywhere (and equal to the PyTorch binding's and the NumPy reference's). The residual is updated
+only after the gather, and only when no rank's gradient held NaN or Inf; otherwise every rank's
+result is NaN (so loss scalers skip the step) and every residual stays as it was.
+
+Everything here is TensorFlow ops and runs eagerly or inside ``tf.function`` alike. The header check
+is decided by TF ops from the gathered bytes alone (so every rank decides the same way); only when
+it fails does the buffer go to the host, where :mod:`horovod_twobit.wire` parses it and raises
+:class:`~horovod_twobit.wire.PayloadMismatchError` with the same message on every rank. Eagerly the
+error is raised as such; inside a graph it surfaces as a ``tf.errors.UnknownError`` whose message
+contains ``PayloadMismatchError: <the same message>``.
+"""
+
+import functools
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow.mpi_ops as mpi_ops
+
+from horovod_twobit.wire import scatter as scatter_wire, checks as wire_checks
+from horovod_twobit import wire
+from horovod_twobit.tensorflow.codec import kernels, native_ops
+from horovod_twobit.tensorflow import codec
+from horovod_twobit.tensorflow.exchange.bucket import BucketExchange, layout_of
+
+
+class Exchange:
+    """One tensor's part of a collective: its payload, and what is needed to finish it."""
+
+    def __init__(self, compressor, tensor, key, op, prescale, postscale, nranks):
+        self.tensor = tensor
+        self.key = key
+        self.tensors, self.keys = [tensor], [key]  # as BucketExchange's (scatter_exchange)
+        self.mode = compressor.threshold  # a number, or "auto"
+        self.op = op
+        self.scale = float(prescale) * float(postscale)
+        self.nranks = int(nranks)
+        self.numel = tensor.shape.num_elements()
+        self.residual = compressor.residuals.get(key, tensor)
+        self.residuals = [self.residual]
+        self.stats_slots = compressor.stats_slots
+        self.grad = codec._flat32(tensor)
+        self.before = self.residual.read_value()
+        self.auto = self.mode == "auto"
+        n = self.numel
+        self.block = wire.block_of(n, compressor.block, compressor.blocks)  # n is static
+        if self.block:
+            # one (threshold, magnitude) per block of values; the magnitudes follow the header
+            tb, vb = self._levels(compressor, self.block)
+            self.threshold = codec.per_value(tb, self.block, n)
+            self.magnitude = codec.per_value(vb, self.block, n)
+            head = wire.make_header(n, 1.0, wire.FLAG_AUTO, self.block)
+            tbits = tf.concat([tf.constant(head[4:], tf.int32), tf.bitcast(vb, tf.int32)], 0)
+        elif self.auto:
+            # chosen from r + g on this rank; the magnitude is carried in the header (word 4,
+            # float32 bits) and the residual commit uses both. Tensors: no host sync.
+            self.threshold, self.magnitude = self._levels(compressor)
+            head = wire.make_header(self.numel, 1.0, wire.FLAG_AUTO)
+            tbits = tf.reshape(tf.bitcast(self.magnitude, tf.int32), [1])
+        else:
+            self.threshold = self.magnitude = self.mode
+            head = wire.make_header(self.numel, self.threshold)
+            tbits = tf.constant(head[4:], tf.int32)
+        words, nonfinite = kernels.encode(self.grad, tf.reshape(self.before, [-1]), self.threshold)
+        flags = tf.bitwise.bitwise_or(tf.cast(nonfinite, tf.int32) * wire.FLAG_NONFINITE, head[1])
+        self.payload = tf.concat([tf.constant(head[:1], tf.int32), tf.reshape(flags, [1]),
+                                  tf.constant(head[2:4], tf.int32), tbits, words], axis=0)
+
+    def _levels(self, compressor, block=None):
+        """This rank's (threshold, magnitude) of r + g, per block with ``block``: from the CPU op
+        (:mod:`native_ops`) over the segments of the tensor's layout where the op serves, else
+        as :func:`codec.auto_levels` and :func:`codec.block_levels` compute them with TF ops, the
+        same bits."""
+        rule = compressor.auto_rule
+        if self.numel is None or not native_ops.usable(rule):
+            if block:
+                return codec.block_levels(self.before, self.grad, block, rule)
+            return codec.auto_levels(self.before, self.grad, rule)
+        lay = layout_of(compressor, self.keys, self.tensors)  # its blocks are the segments
+        t, v = native_ops.segment_levels(self.grad, tf.reshape(self.before, [-1]),
+                                         *native_ops.layout_ints(lay)[2:], rule=rule)
+        return (t, v) if block else (t[0], v[0])
+
+    def finish(self, gathered):
+        """Checks, decodes and sums the gathered payloads; commits the residual; returns the result
+        (the tensor's shape and dtype)."""
+        n, t = self.numel, self.threshold
+        raw = gathered
+        gathered, checked = validated(raw, n, self.mode, self.nranks, self.key, self.block)
+        rows = tf.reshape(gathered, [self.nranks, wire.HEADER_WORDS + wire.body_words(n, self.block)])
+        nb = wire.num_blocks(n, self.block)
+        if self.block:  # each sender's block magnitudes, one per word of its block
+            ts = tf.repeat(tf.bitcast(rows[:, wire.HEADER_WORDS:wire.HEADER_WORDS + nb], tf.float32),
+                           self.block // wire.VALUES_PER_WORD, axis=1)[:, :wire.num_words(n)]
+        elif self.auto:  # each sender's payload is decoded with that sender's magnitude (word 4)
+            ts = tf.bitcast(rows[:, 4], tf.float32)
+        else:
+            ts = tf.fill([self.nranks], tf.constant(t, tf.float32))
+        # ``checked`` is True once the header check passed (it raises otherwise). Using it as data
+        # makes the result and the residual update wait for the check in a graph.
+        bad = tf.logical_or(tf.logical_not(checked), tf.reduce_any(tf.not_equal(
+            tf.bitwise.bitwise_and(rows[:, 1], wire.FLAG_NONFINITE), 0)))
+        if self.op == mpi_ops.Average:
+            # Divided by the number of payloads gathered, a run-time value: Grappler rewrites a
+            # division by a constant into a multiplication by its reciprocal, which is not the same
+            # float32 result (x / 3 != x * (1 / 3) for some x), and every binding must divide.
+            count = tf.cast(tf.size(raw) // (wire.HEADER_WORDS + wire.body_words(n, self.block)),
+                            tf.float32)
+        else:
+            count = tf.constant(1.0, tf.float32)
+        out, new = kernels.finish(
+            rows[:, wire.HEADER_WORDS + nb:], ts, bad, count, self.grad,
+            tf.reshape(self.before, [-1]), t, self.op == mpi_ops.Average, self.scale,
+            self.magnitude)
+        self.norms = codec.norms_if(self.stats_slots.norms_wanted(), new)
+        self.bad = bad
+        update = self.residual.assign(new)
+        with tf.control_dependencies([update]):
+            result = tf.reshape(out, self.tensor.shape)
+            if result.dtype != self.tensor.dtype:
+                result = tf.cast(result, self.tensor.dtype)
+            return tf.identity(result)
+
+
+def validated(gathered, numel, threshold, nranks, key, block=None):
+    """Returns ``(fitted, checked)``: ``gathered`` cut or padded to ``nranks`` payloads of this
+    rank's size, and a boolean tensor that is True once every rank's header is known to agree with
+    this rank's (``threshold``: this rank's number, or ``"auto"``: then every header must carry
+    :data:`~horovod_twobit.wire.FLAG_AUTO`, and the thresholds may differ; with ``block``, every
+    header must carry the same block size and :data:`~horovod_twobit.wire.FLAG_BLOCKS`). Raises
+    PayloadMismatchError on every rank otherwise (eagerly: here; in a graph: when the check op
+    runs).
+
+    In a graph the check is a stateful op (so it always runs), but TensorFlow does not reliably run
+    it before ops that merely carry a control dependency on it: so nothing downstream may fail on a
+    buffer of the wrong size and pre-empt the check's error (hence the fitted buffer), and what must
+    wait for the check takes ``checked`` as data."""
+    stride = wire.HEADER_WORDS + wire.body_words(numel, block)
+    auto = isinstance(threshold, str) and threshold == "auto"
+    head = wire.make_header(numel, 1.0 if auto else threshold, wire.FLAG_AUTO if auto else 0, block)
+
+    # If every header equals this rank's (format, size, fixed threshold or "auto") then every
+    # rank's own header, being among them, equals this one and every rank decides True; if not,
+    # every rank decides False and parses the same bytes on the host. The decision is the same on
+    # every rank.
+    need = nranks * stride
+    size = tf.size(gathered)
+    fitted = tf.pad(gathered[:need], [[0, tf.maximum(0, need - size)]])
+    h = tf.reshape(fitted, [nranks, stride])[:, :wire.HEADER_WORDS]
+    cols = [0, 2, 3] if auto and not block else [0, 2, 3, 4]
+    same = tf.reduce_all(tf.equal(tf.gather(h, cols, axis=1),
+                                  tf.constant([[head[c] for c in cols]], tf.int32)))
+    modes = wire.FLAG_AUTO | wire.FLAG_BLOCKS | wire.FLAG_PLAN  # these flags must be this rank's
+    mode = tf.reduce_all(tf.equal(tf.bitwise.bitwise_and(h[:, 1], modes), head[1] & modes))
+    ok = tf.logical_and(tf.equal(size, need), tf.logical_and(same, mode))
+    if tf.executing_eagerly():
+        if not bool(ok):
+            _raise_mismatch(gathered.numpy(), nranks, key)
+        return fitted, tf.constant(True)
+    checked = tf.cond(ok, lambda: tf.constant(True),
+                      lambda: tf.reshape(tf.numpy_function(
+                          functools.partial(_host_check, nranks, key), [gathered], tf.bool,
+                          stateful=True), []))
+    return fitted, checked
+
+
+def _raise_mismatch(flat, nranks, key):
+    wire_checks.split_gathered([int(x) for x in np.asarray(flat).reshape(-1)], nranks, key)
+    raise wire.PayloadMismatchError("tensor %r: ranks sent incompatible payloads" % (key,))
+
+
+def _host_check(nranks, key, flat):
+    _raise_mismatch(flat, nranks, key)
+    return np.bool_(True)
+
+
+MARKER = "PayloadMismatchError: "
+
+
+def translate(error):
+    """The PayloadMismatchError that a graph-mode ``tf.errors.OpError`` carries, or None."""
+    msg = getattr(error, "message", "") or str(error)
+    pos = msg.find(MARKER)
+    if pos < 0:
+        return None
+    text = msg[pos + len(MARKER):].split("\n", 1)[0].strip()
+    return wire.PayloadMismatchError(text)
+
+
+def run(compressor, tensors, keys, op, prescale, postscale, process_set, op_name,
+        ignore_name_scope):
+    """Exchanges a list of dense floating-point tensors: one tensor alone, several as one bucket
+    (:mod:`horovod_twobit.tensorflow.exchange.bucket`); one allgather either way, or with
+    ``exchange="scatter"`` (or "auto" choosing it) an alltoall and an allgather
+    (:mod:`horovod_twobit.tensorflow.exchange.scatter`). Returns the results."""
+    nranks = process_set.size()
+    layout = layout_of(compressor, keys, tensors)
+    if compressor.plain(layout, keys, process_set):  # the fallback: uncompressed, g + r
+        from horovod_twobit.tensorflow.exchange import plain as plain_exchange
+        out = plain_exchange.run(compressor, tensors, keys, op, prescale, postscale, process_set,
+                                 op_name, ignore_name_scope)
+        return compressor.stats_slots.record(layout, keys, "plain", nranks, process_set.rank(),
+                                             None, out)
+    if len(tensors) == 1:
+        ex = Exchange(compressor, tensors[0], keys[0], op, prescale, postscale, nranks)
+    else:
+        ex = BucketExchange(compressor, tensors, keys, op, prescale, postscale, nranks)
+    exchange = scatter_wire.choose(compressor.exchange, layout, nranks)
+    if exchange == "scatter":
+        from horovod_twobit.tensorflow.exchange import scatter as scatter_exchange
+        out = scatter_exchange.run(compressor, ex, layout, keys, process_set, op_name,
+                                   ignore_name_scope)
+        norms = bad = None  # the stats read this exchange's residuals when asked
+    else:
+        gathered = mpi_ops.allgather(ex.payload, name=op_name, process_set=process_set,
+                                     ignore_name_scope=ignore_name_scope)
+        out = ex.finish(gathered)
+        out, norms, bad = out if len(tensors) > 1 else [out], ex.norms, ex.bad
+    return compressor.stats_slots.record(layout, keys, exchange, nranks, process_set.rank(),
+                                         ex.payload, out, norms, bad)

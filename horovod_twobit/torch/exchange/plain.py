@@ -1,0 +1,56 @@
+"""One bucket's step sent uncompressed: the fallback of ``TwoBitCompressor(..., fallback=...)``.
+
+Error feedback makes the switch exact: the bucket's values g + r (its gradients plus its
+residuals, float32) go through Horovod's own allreduce, so everything not yet sent is sent now,
+and the residuals become zero. Nothing is lost either way, and a later step may compress again
+from a zero residual. A step whose result is not finite (some rank's gradient held NaN or Inf)
+keeps the residuals as they were, as the compressed exchanges do.
+"""
+
+import torch
+
+import horovod.torch.mpi_ops as mpi_ops
+
+from horovod_twobit.torch.exchange import progress
+from horovod_twobit.torch.exchange.allgather import Flight
+
+
+class PlainFlight(Flight):
+
+    EXCHANGE = "plain"
+
+    def __init__(self, bucket, tensors, op, prescale, postscale, process_set, in_place):
+        c = bucket.state
+        self._take(bucket, tensors, op, prescale, postscale, process_set, in_place)
+        self.sum = self.g.to(torch.float32) + self.r  # a new buffer: the gradient is kept
+        values = bucket.values
+        c.stats_log.sent(bucket.key, bucket.names, self.EXCHANGE, 4 * self.sum.numel(),
+                         lambda: (values, 0.0, 0), values, bucket.norms)
+        self.handle = mpi_ops.allreduce_async_(self.sum, name=bucket.names[0] + ".plain", op=op,
+                                               prescale_factor=prescale,
+                                               postscale_factor=postscale,
+                                               process_set=process_set)
+
+    def poll(self):
+        return self.results is not None or mpi_ops.poll(self.handle)
+
+    def _collect(self):
+        progress.wait(lambda: mpi_ops.poll(self.handle))
+        return mpi_ops.synchronize(self.handle)
+
+    def _decode(self, summed, divisor, out=None):
+        """Horovod applied the op and the scale factors. A member whose result is finite has
+        its residual set to zero; one that is not (some rank's gradient held NaN or Inf) gets
+        NaN and keeps its residual, as in the compressed exchanges."""
+        dest = self.g if out is None else out
+        dest.copy_(summed)
+        if bool(torch.isfinite(summed).all()):
+            self.r.zero_()
+            return dest, False
+        lay = self.bucket.layout
+        for s, n in zip(lay.starts, lay.numels):
+            if bool(torch.isfinite(summed[s:s + n]).all()):
+                self.r[s:s + n].zero_()
+            else:
+                dest[s:s + n] = float("nan")
+        return dest, True

@@ -1,0 +1,285 @@
+"""The one place that wraps Horovod's PyTorch API, explicitly and reversibly.
+
+:func:`install` replaces a few entry points of ``horovod.torch`` (where ``hvd.*`` resolves),
+``horovod.torch.mpi_ops`` and ``horovod.torch.optimizer`` (which imported them by name) with thin
+wrappers. A wrapper looks for tensors marked by ``TwoBitCompressor.compress`` and sends those to
+allgather + decode + sum; every other call goes to the original function unchanged.
+:func:`uninstall` puts the originals back.
+"""
+
+import threading
+
+import torch
+
+import horovod.torch as hvd_torch
+import horovod.torch.mpi_ops as mpi_ops
+import horovod.torch.optimizer as hvd_optimizer
+
+from horovod_twobit.torch.exchange import progress
+from horovod_twobit.torch.exchange.allgather import check_call
+from horovod_twobit.torch.exchange.bucket import Handle
+from horovod_twobit.torch.state import TwoBitState
+
+_MODULES = (hvd_torch, mpi_ops, hvd_optimizer)
+_NAMES = ("allreduce", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async_",
+          "synchronize", "poll", "DistributedOptimizer")
+_originals = {}
+_lock = threading.Lock()
+_MARK = "_horovod_twobit"
+_FACES = set()  # the compressor classes over a TwoBitState (register_face): passed as a class, refused
+
+
+class _Pending:
+    """The context ``TwoBitCompressor.compress`` hands to Horovod: the compressor's state, and
+    whether the router took the tensor (``decompress`` warns when it did not)."""
+
+    __slots__ = ("state", "routed")
+
+    def __init__(self, state):
+        self.state = state
+        self.routed = False
+
+
+def mark(state, tensor):
+    """(an alias of ``tensor`` marked for the 2-bit exchange of ``state``, its context)."""
+    alias = tensor.view_as(tensor)
+    ctx = _Pending(state)
+    setattr(alias, _MARK, ctx)
+    return alias, ctx
+
+
+def pending_of(tensor):
+    """The context if ``tensor`` came from ``TwoBitCompressor.compress``, else None."""
+    return getattr(tensor, _MARK, None) if isinstance(tensor, torch.Tensor) else None
+
+
+def unrouted(ctx):
+    """Whether ``ctx`` is a marked tensor's context that the router never took."""
+    return isinstance(ctx, _Pending) and not ctx.routed
+
+
+def register_face(cls):
+    """Makes the router refuse ``compression=cls`` (the class, not an instance) with the fix."""
+    _FACES.add(cls)
+    return cls
+
+
+def _state_of(compression):
+    """The :class:`TwoBitState` behind a ``TwoBitCompressor`` instance, else None. (The router
+    knows compressors by their state: the face imports the router, not the reverse.)"""
+    state = getattr(compression, "__dict__", {}).get("state")
+    return state if isinstance(state, TwoBitState) else None
+
+
+def _orig(name):
+    return _originals.get(name) or getattr(mpi_ops, name)
+
+
+def _global_ps():
+    return mpi_ops.global_process_set
+
+
+def _op(op, average):
+    return mpi_ops.handle_average_backwards_compatibility(op, average)
+
+
+def _check_compression(compression):
+    if compression in _FACES:
+        raise TypeError("pass an instance, e.g. compression=TwoBitCompressor(0.5), not the class")
+
+
+def _alone(tensor, pending, name, call, in_place):
+    """Sends one tensor in a bucket of its own."""
+    check_call(call[0], name)
+    pending.routed = True
+    flight = pending.state.single(name, tensor).launch([tensor], *call, in_place=in_place)
+    return Handle(flight, 0)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=None):
+    process_set = process_set or _global_ps()
+    pending = pending_of(tensor)
+    if pending is None:
+        return _orig("allreduce_async_")(tensor, average=average, name=name, op=op,
+                                         prescale_factor=prescale_factor,
+                                         postscale_factor=postscale_factor, process_set=process_set)
+    call = (_op(op, average), prescale_factor, postscale_factor, process_set)
+    bucket = pending.state.bucket_of(name)
+    if bucket is not None and tensor.numel() == bucket.layout.numels[bucket.index[name]]:
+        check_call(call[0], name)
+        pending.routed = True
+        return bucket.arrive(tensor, name, call)
+    return _alone(tensor, pending, name, call, in_place=True)
+
+
+def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=None):
+    process_set = process_set or _global_ps()
+    _check_compression(compression)
+    if _state_of(compression) is None:
+        kw = {} if compression is None else {"compression": compression}
+        return _orig("allreduce")(tensor, average=average, name=name, op=op,
+                                  prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor, process_set=process_set, **kw)
+    compressed, ctx = compression.compress(tensor.detach())
+    pending = pending_of(compressed)
+    if pending is None:  # not floating point: plain allreduce
+        return _orig("allreduce")(tensor, average=average, name=name, op=op,
+                                  prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor, process_set=process_set)
+    call = (_op(op, average), prescale_factor, postscale_factor, process_set)
+    handle = _alone(compressed, pending, name, call, in_place=False)
+    return compression.decompress(handle(), ctx)
+
+
+def _grouped(tensors, name, op, prescale, postscale, process_set, in_place):
+    """Splits a group into TwoBit tensors (one bucket: one encode, one allgather, one finish) and
+    the rest (one grouped allreduce through Horovod, untouched). Returns a Handle, or None when
+    no tensor is TwoBit."""
+    marks = [pending_of(t) for t in tensors]
+    if all(m is None for m in marks):
+        return None
+    if name is None:
+        raise ValueError("TwoBitCompressor keys its residuals by tensor name, and this grouped "
+                         "allreduce has none: pass name='...'")
+    check_call(op, name)
+    compressed, plain, order = [], [], []
+    for i, (t, m) in enumerate(zip(tensors, marks)):
+        if m is None:
+            order.append(("p", len(plain)))
+            plain.append(t)
+        else:
+            order.append(("c", len(compressed)))
+            compressed.append(("%s.%d" % (name, i), t, m))
+            m.routed = True
+    state = compressed[0][2].state
+    names = [n for n, _, _ in compressed]
+    group = [t for _, t, _ in compressed]
+    if len(group) == 1:
+        bucket = state.single(names[0], group[0])
+    else:
+        bucket = state.group_bucket(names, group)
+    flight = bucket.launch(group, op, prescale, postscale, process_set, in_place)
+    passthrough = None
+    if plain:
+        fn = _orig("grouped_allreduce_async_") if in_place else mpi_ops.grouped_allreduce_async
+        passthrough = fn(plain, name=name + ".uncompressed", op=op, prescale_factor=prescale,
+                         postscale_factor=postscale, process_set=process_set)
+    return Handle(flight, passthrough=passthrough, order=order if plain else None)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=None):
+    process_set = process_set or _global_ps()
+    h = _grouped(tensors, name, _op(op, average), prescale_factor, postscale_factor, process_set,
+                 in_place=True)
+    if h is not None:
+        return h
+    return _orig("grouped_allreduce_async_")(tensors, average=average, name=name, op=op,
+                                             prescale_factor=prescale_factor,
+                                             postscale_factor=postscale_factor,
+                                             process_set=process_set)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+    process_set = process_set or _global_ps()
+    _check_compression(compression)
+    if _state_of(compression) is None:
+        kw = {} if compression is None else {"compression": compression}
+        return _orig("grouped_allreduce")(tensors, average=average, name=name, op=op,
+                                          prescale_factor=prescale_factor,
+                                          postscale_factor=postscale_factor,
+                                          process_set=process_set, **kw)
+    compressed, ctxs = zip(*[compression.compress(t.detach()) for t in tensors])
+    h = _grouped(list(compressed), name, _op(op, average), prescale_factor, postscale_factor,
+                 process_set, in_place=False)
+    if h is None:
+        return _orig("grouped_allreduce")(tensors, average=average, name=name, op=op,
+                                          prescale_factor=prescale_factor,
+                                          postscale_factor=postscale_factor,
+                                          process_set=process_set)
+    return [compression.decompress(t, c) for t, c in zip(h(), ctxs)]
+
+
+def synchronize(handle):
+    if isinstance(handle, Handle):
+        return handle()
+    # scatter steps in flight still get phase 2; then Horovod's own wait, unchanged
+    progress.wait(lambda: _orig("poll")(handle), until_done=False)
+    return _orig("synchronize")(handle)
+
+
+def poll(handle):
+    if isinstance(handle, Handle):
+        return handle.poll()
+    return _orig("poll")(handle)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None, *args, **kwargs):
+    """Horovod's own ``DistributedOptimizer``, after refusing what TwoBit cannot do correctly."""
+    original = _originals["DistributedOptimizer"]
+    _check_compression(compression)
+    if compression is None:
+        return original(optimizer, named_parameters, *args, **kwargs)
+    state = _state_of(compression)
+    if state is not None:
+        op = kwargs.get("op", args[1] if len(args) > 1 else mpi_ops.Average)
+        if op == mpi_ops.Adasum:
+            raise ValueError("TwoBitCompressor cannot be combined with op=hvd.Adasum (Adasum needs "
+                             "the full-precision gradients): use op=hvd.Average")
+    opt = original(optimizer, named_parameters, compression, *args, **kwargs)
+    if state is not None and hasattr(opt, "_sparse_allreduce_grad_async"):
+        def refuse_sparse(p, name):
+            raise ValueError(
+                "parameter %r has a sparse gradient, which TwoBitCompressor cannot compress: pass "
+                "sparse_as_dense=True to hvd.DistributedOptimizer" % (name,))
+        opt._sparse_allreduce_grad_async = refuse_sparse
+        if state.bucket_bytes and getattr(opt, "_groups", None) is None:
+            # gradients become ready roughly in the reverse order of the parameters (DDP's rule)
+            names = opt._parameter_names
+            params = [p for group in opt.param_groups for p in group["params"]
+                      if p in opt._requires_update]
+            state.plan([(names[p], p) for p in reversed(params)])
+    return opt
+
+
+_WRAPPERS = {"allreduce": allreduce, "allreduce_async_": allreduce_async_,
+             "grouped_allreduce": grouped_allreduce,
+             "grouped_allreduce_async_": grouped_allreduce_async_,
+             "synchronize": synchronize, "poll": poll,
+             "DistributedOptimizer": DistributedOptimizer}
+
+
+def _patches(module, name):
+    # Horovod's broadcast_optimizer_state compares an optimizer's module with that of
+    # horovod.torch.optimizer.DistributedOptimizer: only the hvd.DistributedOptimizer name is wrapped.
+    return name != "DistributedOptimizer" or module is hvd_torch
+
+
+def install():
+    """Routes TwoBit payloads through allgather + decode + sum. Idempotent."""
+    with _lock:
+        if _originals:
+            return
+        for name in _NAMES:
+            _originals[name] = getattr(hvd_optimizer if name == "DistributedOptimizer" else mpi_ops, name)
+        for module in _MODULES:
+            for name in _NAMES:
+                if hasattr(module, name) and _patches(module, name):
+                    setattr(module, name, _WRAPPERS[name])
+
+
+def uninstall():
+    """Puts Horovod's original functions back."""
+    with _lock:
+        for module in _MODULES:
+            for name in _NAMES:
+                if hasattr(module, name) and getattr(module, name) is _WRAPPERS[name]:
+                    setattr(module, name, _originals[name])
+        _originals.clear()
+
+
+def installed():
+    return bool(_originals)

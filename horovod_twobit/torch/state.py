@@ -1,0 +1,208 @@
+"""``TwoBitState``: everything a PyTorch compressor keeps between steps, apart from its Horovod face.
+
+As PyTorch's ``PowerSGDState`` holds what ``powerSGD_hook`` needs, a :class:`TwoBitState` holds
+the configuration (threshold, "auto" blocks, buckets, exchange, fallback), the residuals (the
+workers' by tensor name, the scatter owners' by bucket), the buckets, the fallback's link
+measurements and decisions, the stats and the checkpoint. The exchanges
+(:mod:`horovod_twobit.torch.exchange`) are functions of (state, bucket);
+:class:`horovod_twobit.torch.TwoBitCompressor` is Horovod's ``Compressor`` face over one state.
+"""
+
+import threading
+import warnings
+
+import torch
+
+from horovod_twobit import wire
+from horovod_twobit.state import checkpoint
+from horovod_twobit.state.fallback import decide, validate_fallback
+from horovod_twobit.state.residuals import ResidualRegistry
+from horovod_twobit.state.stats import StatsLog
+from horovod_twobit.torch.codec import stats as stats_read
+from horovod_twobit.torch.exchange.bucket import Bucket
+from horovod_twobit.wire import layout, scatter as scatter_wire
+
+
+def _to_state(r):
+    return r.detach().to("cpu", copy=True)
+
+
+def _from_state(value, like):
+    return like.copy_(torch.as_tensor(value).reshape(like.shape))
+
+
+def _registry():
+    return ResidualRegistry(
+        zeros_like=lambda g: torch.zeros(g.shape, dtype=torch.float32, device=g.device),
+        numel=lambda r: r.numel(), to_state=_to_state, from_state=_from_state)
+
+
+def horovod_rank_size():
+    """(rank, size) of Horovod's global process set, or (0, 1) before ``hvd.init()``."""
+    import horovod.torch as hvd
+    try:
+        return hvd.rank(), hvd.size()
+    except ValueError:  # Horovod not initialized
+        return 0, 1
+
+
+class TwoBitState:
+    """The state of one 2-bit compressor (the arguments are
+    :class:`horovod_twobit.torch.TwoBitCompressor`'s). ``rank_size`` is a function giving this
+    rank's (rank, number of ranks) for the checkpoint (default: Horovod's global process set)."""
+
+    def __init__(self, threshold=0.5, *, min_numel=0, rule=None, block=None, blocks=None,
+                 bucket_bytes=None, exchange="allgather", fallback=None, rank_size=None):
+        self.threshold = wire.validate_threshold(threshold)
+        self.block, self.blocks = wire.validate_blocks(self.threshold, block, blocks)
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError("min_numel must be a non-negative integer, got %r" % (min_numel,))
+        self.min_numel = min_numel
+        self.auto_rule = wire.auto_rule(rule)
+        self.bucket_bytes = layout.validate_bucket_bytes(bucket_bytes)
+        self.exchange = scatter_wire.validate_exchange(exchange)
+        self.fallback = validate_fallback(fallback)
+        self.rank_size = rank_size or horovod_rank_size
+        self.residuals = _registry()  # the workers' residuals, by tensor name
+        # the residuals this rank keeps as owner of scatter chunks ("auto" only), keyed by
+        # bucket, and the (rank, size) they belong to
+        self.owners = _registry()
+        self._owner_of = None
+        self.decisions = {}  # (bucket key, number of ranks) -> "compressed" / "plain"
+        self._links = {}  # (process set id, size) -> the measured Link
+        # (bucket, process set, size) whose ranks all announced the scatter exchange
+        self.agreed = set()
+        self.stats_log = StatsLog()
+        self.stats_reads = 0  # stats() calls: a bucket's next step after one prepares the next
+        self._buckets = {}  # tensor name -> its planned Bucket
+        self._singles = {}  # tensor name (or a group's key) -> a Bucket of those tensors alone
+        self._lock = threading.Lock()
+
+    def args_repr(self):
+        """The arguments that differ from the defaults, as a constructor call spells them."""
+        extra = ", min_numel=%d" % self.min_numel if self.min_numel else ""
+        extra += wire.auto_args_repr(self.threshold, self.auto_rule, self.block, self.blocks)
+        if self.bucket_bytes != layout.DEFAULT_BUCKET_BYTES:
+            extra += ", bucket_bytes=%d" % self.bucket_bytes
+        if self.exchange != "allgather":
+            extra += ", exchange=%r" % self.exchange
+        return "threshold=%r%s" % (self.threshold, extra)
+
+    def compresses(self, tensor):
+        """Whether ``tensor`` goes through the 2-bit exchange (floating point, at least
+        ``min_numel`` values); a sparse one is refused with the fix."""
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            return False
+        if tensor.numel() < self.min_numel:
+            return False
+        if tensor.is_sparse:
+            raise ValueError("TwoBitCompressor cannot compress sparse gradients: pass "
+                             "sparse_as_dense=True to hvd.DistributedOptimizer")
+        return True
+
+    # ------------------------------------------------------------------ buckets
+    def plan(self, named_parameters):
+        """Assigns buckets to the gradients of ``named_parameters`` ((name, parameter) pairs in
+        the order their gradients are expected to become ready): the tensors this compressor
+        will compress, cut into runs of at most ``bucket_bytes`` on the same device. A later
+        plan replaces an earlier one's buckets."""
+        entries = [(n, p.numel(), p.numel() * p.element_size(), p.device)
+                   for n, p in named_parameters
+                   if p.is_floating_point() and p.numel() >= self.min_numel]
+        sizes = {n: numel for n, numel, _, _ in entries}
+        with self._lock:
+            for names in layout.assign_buckets(entries, self.bucket_bytes):
+                b = Bucket(self, names, [sizes[n] for n in names])
+                self._buckets.update((n, b) for n in names)
+        return self
+
+    def bucket_of(self, name):
+        """The planned bucket of tensor ``name``, or None."""
+        return self._buckets.get(name)
+
+    def single(self, name, tensor):
+        """The bucket of ``tensor`` alone, under ``name``."""
+        b = self._singles.get(name)
+        if b is None or b.layout.numels[0] != tensor.numel():
+            b = self._singles[name] = Bucket(self, [name], [tensor.numel()])
+        return b
+
+    def group_bucket(self, names, tensors):
+        """The bucket of a grouped allreduce's tensors (made once per group)."""
+        key = tuple(names) + tuple(t.numel() for t in tensors)
+        b = self._singles.get(key)
+        if b is None:
+            b = self._singles[key] = Bucket(self, names, [t.numel() for t in tensors])
+        return b
+
+    # ------------------------------------------------------------------ the fallback
+    def plain(self, bucket, process_set, device):
+        """Whether ``bucket`` goes uncompressed with this process set (``fallback``): always,
+        or where the measured link and codec say compression would not pay. Decided once per
+        bucket and number of ranks, logged once, and kept in :attr:`decisions`."""
+        n = process_set.size()
+        return decide(self.decisions, bucket.names, bucket.layout, n, bucket.exchange(n)[0],
+                      self.fallback, lambda: self.link(process_set, device))
+
+    def link(self, process_set, device):
+        """The measured :class:`horovod_twobit.state.fallback.Link` of this process set (rank
+        0's figures, broadcast), measured on first use."""
+        key = (process_set.process_set_id, process_set.size())
+        if key not in self._links:
+            from horovod_twobit.torch.exchange.link import measure
+            self._links[key] = measure(process_set, device, self.threshold)
+        return self._links[key]
+
+    # ------------------------------------------------------------------ residuals
+    def owner_residual(self, key, numel, device, rank, size):
+        """This rank's residual as owner of a scatter chunk of bucket ``key`` (float32, ``numel``
+        values). Owners' residuals belong to a rank and a number of ranks (their chunks move
+        when either changes): on a change they restart from zero, with a warning."""
+        if self._owner_of != (rank, size):
+            if self._owner_of is not None and len(self.owners):
+                warnings.warn("horovod-twobit: the ranks changed (this was rank %d of %d, now %d "
+                              "of %d): the scatter owners' residuals restart from zero; the "
+                              "workers' residuals are kept" % (*self._owner_of, rank, size))
+            self.owners.reset()
+            self._owner_of = (rank, size)
+        return self.owners.get(key, torch.empty(numel, dtype=torch.float32, device=device))
+
+    def stats(self, reset=False, per_tensor=False):
+        """What this compressor did, as a plain dict (see ``TwoBitCompressor.stats``)."""
+        self.stats_reads += 1
+        out = self.stats_log.snapshot(self._residual_norms, self.threshold, per_tensor)
+        if reset:
+            self.stats_log.reset()
+        return out
+
+    def _residual_norms(self, names):
+        return stats_read.tensor_norms(self.residuals, names)
+
+    def state_dict(self):
+        """This rank's residuals (CPU copies) keyed by tensor name, with the threshold, rank and
+        number of ranks they belong to, and its scatter owners' residuals keyed by bucket."""
+        return checkpoint.make(self.threshold, *self.rank_size(), self.residuals.state_dict(),
+                               self.owners.state_dict())
+
+    def load_state_dict(self, saved):
+        """Restores residuals saved by :meth:`state_dict`; each is moved to its gradient's device
+        on first use. Saved by another rank or with another number of ranks, they restart from
+        zero with a warning."""
+        residuals = checkpoint.residuals_to_load(saved, self.threshold, *self.rank_size())
+        self.owners.reset()
+        self._owner_of = None
+        if residuals is None:
+            self.residuals.reset()
+        else:
+            self.residuals.load_state_dict(residuals)
+            self.owners.load_state_dict(checkpoint.owner_residuals_to_load(saved))
+            self._owner_of = self.rank_size()
+
+    def reset(self):
+        """Forgets every residual (they restart from zero), and the fallback's link
+        measurements and decisions (made again at the next step)."""
+        self.residuals.reset()
+        self.owners.reset()
+        self.agreed.clear()
+        self.decisions.clear()
+        self._links.clear()
