@@ -43,7 +43,7 @@ def test_ci_runs_the_readme_test_command():
 
 def _pages():
     import glob
-    return [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+    return [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))
 
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -106,7 +106,7 @@ def _invocations(words):
 
 @pytest.mark.slow
 def test_commands_in_readme_and_docs_parse_and_run():
-    """Every command the README and docs/*.md give: shell blocks parse (bash -n), Python blocks
+    """Every command the README and docs/**/*.md give: shell blocks parse (bash -n), Python blocks
     compile; every script or module they run exists, answers --help, and knows every --option the
     page passes it (horovodrun's too); every bash script they run parses. Placeholders outside the
     repository (train.py) are left alone."""
