@@ -34,7 +34,7 @@ class CodecClock:
     the functions' results are untouched."""
 
     FUNCTIONS = {"codec": ("encode_payload", "finish_payload"),
-                 "scatter_codec": ("chunk_payloads", "owner_reduce", "finish_reduced")}
+                 "codec.scatter": ("chunk_payloads", "owner_reduce", "finish_reduced")}
 
     def __init__(self):
         self.seconds = 0.0

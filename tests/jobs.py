@@ -133,3 +133,17 @@ def case_outcomes(res, np_, cases):
     if missing:
         pytest.fail("rank %d printed nothing for case %s: %r" % (missing[0][1], missing[0][0], res))
     return {c: [seen[(c, r)] for r in range(np_)] for c in cases}
+
+
+def demo_accuracies(output):
+    """(uncompressed, TwoBit) final test accuracies a digits demo printed (examples/_digits.py)."""
+    m = re.search(r"final test accuracy: uncompressed ([0-9.]+), TwoBit\([^)]*\) ([0-9.]+)", output)
+    assert m, output[-3000:]
+    return float(m.group(1)), float(m.group(2))
+
+
+def check_demo_accuracies(output, floor=0.9, margin=0.03):
+    """A demo's full run learned: both accuracies above ``floor``, TwoBit's within ``margin``
+    of the uncompressed run's (15 epochs: 0.96 / 0.97 in PyTorch, 0.95 / 0.95 in Keras)."""
+    plain, twobit = demo_accuracies(output)
+    assert plain >= floor and twobit >= floor and twobit >= plain - margin, (plain, twobit)

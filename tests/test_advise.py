@@ -71,8 +71,10 @@ def test_plot(tmp_path, capsys):
 
 
 def test_unknown_method_is_an_error(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         advise.main(["--params", "1M", "--step-ms", "1", "--methods", "gzip"])
+    assert e.value.code not in (0, None)
+    assert "gzip" in capsys.readouterr().err
 
 
 def _bench_json(path, rows, hosts=4):

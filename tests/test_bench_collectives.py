@@ -31,6 +31,7 @@ def test_cases_fill_the_ring_from_2n_values():
     assert got["alltoall 16/peer"] == ("alltoall", 64)  # 16 to each of the 4 ranks
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason="virtual cluster unavailable: %s" % REASON)
 @pytest.mark.timeout(600)
 def test_every_case_is_timed_on_the_hosts(tmp_path):

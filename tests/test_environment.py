@@ -11,6 +11,7 @@ import jobs
 REPO = os.path.dirname(jobs.HERE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 @pytest.mark.parametrize("mpi", [False, True], ids=["gloo", "mpi"])
 def test_allreduce_and_allgather(framework, mpi):
@@ -19,6 +20,7 @@ def test_allreduce_and_allgather(framework, mpi):
         assert "rank %d of 2 %s: OK" % (rank, framework) in res.output, res
 
 
+@pytest.mark.slow
 def test_check_build_lists_everything():
     out = subprocess.run([jobs.horovodrun(), "--check-build"], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=120).stdout

@@ -48,6 +48,7 @@ def _trained(tmp_path_factory, np_, config):
     return jobs.shared(("tf_train", np_), job) / str(mine.index(config))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,np_,groups,threshold,block,blocks", CONFIGS)
 def test_training_matches_simulation(tmp_path_factory, mode, np_, groups, threshold, block,
                                      blocks):
@@ -92,6 +93,7 @@ def test_training_matches_simulation(tmp_path_factory, mode, np_, groups, thresh
             assert int(r["traces"]) == 2  # the training step was traced once per batch size
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip(tmp_path):
     res = jobs.run(2, "tf_state.py", tmp_path, timeout=240)
     for rank in range(2):
@@ -131,6 +133,7 @@ ERRORS = {
 }
 
 
+@pytest.mark.slow
 def test_errors_on_every_rank():
     """Each case raises the documented error on every rank, quickly, and the job carries on."""
     res = jobs.run(2, "tf_errors.py", *ERRORS, timeout=240)

@@ -91,6 +91,7 @@ def _scatters(group, np_, threshold, exchange):
                      np_) == "scatter"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("np_,threshold,exchange", CONFIGS)
 def test_scatter_matches_reference(tmp_path_factory, np_, threshold, exchange):
     res, ranks = _job(tmp_path_factory, np_, threshold, exchange)

@@ -208,8 +208,8 @@ def test_mismatch_raises_the_same_error_for_every_owner(numels, threshold, patte
         msgs.add(str(err))
     assert len(msgs) == 1
     for s in steps:  # no owner residual changed
-        for name in s.compressor.owners.names():
-            assert not s.compressor.owners.variable(name).numpy().any()
+        for name in s.state.owners.names():
+            assert not s.state.owners.variable(name).numpy().any()
 
 
 def test_count_planes_match_reference():

@@ -12,6 +12,7 @@ import pytest
 import jobs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exchange", ["allgather", "scatter"])
 def test_worker_added_then_removed(tmp_path, exchange):
     hosts = tmp_path / "hosts"

@@ -27,6 +27,7 @@ def outcomes():
     return jobs.case_outcomes(jobs.run(2, "torch_errors.py", *cases, timeout=240), 2, cases)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_error_on_every_rank(outcomes, case):
     kind, pattern = CASES[case]

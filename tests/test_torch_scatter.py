@@ -61,6 +61,7 @@ def _check_training(ranks, w, threshold):
     return groups
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("np_", [2, 3, 4])
 @pytest.mark.parametrize("threshold", [0.05, "auto"])
 def test_scatter_matches_reference(tmp_path_factory, np_, threshold):
@@ -152,6 +153,7 @@ def _same_error_everywhere(outcomes, pattern):
     assert len({o.message for o in outcomes}) == 1, outcomes  # the same message on every rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("np_", [2, 3])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_mismatch_raises_on_every_rank(error_jobs, case, np_):
@@ -166,6 +168,7 @@ def test_mixed_exchanges_raise_on_every_rank(error_jobs, case, np_):
     _same_error_everywhere(error_jobs(np_)[case], EXCHANGE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold", ["0.1", "auto"])
 def test_state_dict_round_trip(threshold):
     res = jobs.run(3, "torch_state.py", "unused", threshold, "scatter")

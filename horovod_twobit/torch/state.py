@@ -86,6 +86,8 @@ class TwoBitState:
             extra += ", bucket_bytes=%d" % self.bucket_bytes
         if self.exchange != "allgather":
             extra += ", exchange=%r" % self.exchange
+        if self.fallback:
+            extra += ", fallback=%r" % self.fallback
         return "threshold=%r%s" % (self.threshold, extra)
 
     def compresses(self, tensor):

@@ -84,7 +84,7 @@ def run(spec):
         rec["decisions/%d" % step] = np.array([c.decisions[(k, hvd.size())] for k in keys])
         rec["exchanges/%d" % step] = np.array([st["buckets"][k]["exchange"] for k in keys])
         rec["groups"] = np.array([",".join(st["buckets"][k]["tensors"]) for k in keys])
-        rec["plain_bytes/%d" % step] = np.int64(st["bytes_last_step"]["plain"])
+        rec["plain_bytes/%d" % step] = np.int64(st["bytes_last_step"].get("plain", 0))
     for n, v in zip(NAMES, variables):
         rec["w/" + n] = v.numpy().reshape(-1)
     rec["link"] = np.array(json.dumps([repr(v) for v in c.state.links.values()]))

@@ -66,6 +66,7 @@ def run(spec):
         rec["decisions/%d" % step] = np.array([c.decisions[(k, hvd.size())] for k in keys])
         st = c.stats()
         rec["exchanges/%d" % step] = np.array([st["buckets"][k]["exchange"] for k in keys])
+        rec["plain_bytes/%d" % step] = np.int64(st["bytes_last_step"].get("plain", 0))
         with opt.skip_synchronize():
             if all(bool(torch.isfinite(prm.grad).all()) for prm in model.parameters()):
                 opt.step()
@@ -74,6 +75,7 @@ def run(spec):
     rec["groups"] = np.array([",".join(g) for g in groups])
     rec["link"] = np.array(json.dumps([repr(v) for v in c._links.values()]))
     rec["link_allgather"] = np.array([v.allgather for v in c._links.values()], dtype=np.float64)
+    rec["repr"] = np.array(repr(c))
     return rec
 
 

@@ -85,6 +85,9 @@ def run(args):
     for n, prm in model.named_parameters():
         rec["w/" + n] = prm.detach().float().numpy()
     rec["residual_names"] = np.array(sorted(compressor.residuals.names()))
+    # the controller the job really ran on (Horovod's, at run time)
+    rec["controller"] = np.array("mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled()
+                                 else "none")
     return rec
 
 

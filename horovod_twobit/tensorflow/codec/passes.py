@@ -52,8 +52,8 @@ class Plan:
         self.perm = None if order == sorted(order) else perm
 
 
-def plan_of(compressor, lay):
-    cache = compressor.eager_fns
+def plan_of(state, lay):
+    cache = state.eager_fns
     key = ("plan", id(lay))
     got = cache.get(key)
     if got is None or got[0] is not lay:
@@ -222,20 +222,20 @@ class NativePasses:
                                         g, before, ts, vs, want_norms)
 
 
-def native(compressor, lay):
+def native(state, lay):
     """Whether a bucket of ``lay`` runs :class:`NativePasses`: the ops built, no GPU, and, for
     "auto", levels that the op computes (not "opt")."""
     return (not lay.single and native_ops.codec_usable()
-            and (not lay.auto or native_ops.usable(compressor.auto_rule)))
+            and (not lay.auto or native_ops.usable(state.auto_rule)))
 
 
-def passes_of(compressor, lay, plan, head, average, scale):
-    use = native(compressor, lay)
+def passes_of(state, lay, plan, head, average, scale):
+    use = native(state, lay)
     xla = not use and kernels._compiled(lay.values)
-    cache = compressor.eager_fns
-    key = ("passes", id(lay), compressor.auto_rule, use, xla, bool(average), float(scale))
+    cache = state.eager_fns
+    key = ("passes", id(lay), state.auto_rule, use, xla, bool(average), float(scale))
     got = cache.get(key)
     if got is None or got[0] is not lay:
         got = cache[key] = (lay, NativePasses(lay, head, average, scale) if use else
-                            Passes(lay, plan, compressor.auto_rule, head, xla, average, scale))
+                            Passes(lay, plan, state.auto_rule, head, xla, average, scale))
     return got[1]

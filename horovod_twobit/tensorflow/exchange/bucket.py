@@ -30,15 +30,15 @@ from horovod_twobit.tensorflow.codec.counts import spread
 from horovod_twobit.tensorflow.codec.passes import passes_of, plan_of
 
 
-def layout_of(compressor, keys, tensors):
+def layout_of(state, keys, tensors):
     """The (cached) layout of a bucket of ``tensors`` under ``keys``."""
     numels = tuple(t.shape.num_elements() for t in tensors)
-    cache = compressor.eager_fns  # plain state, not a checkpoint dependency
+    cache = state.eager_fns  # plain state, not a checkpoint dependency
     ck = ("layout", tuple(keys), numels)
     lay = cache.get(ck)
     if lay is None:
-        lay = cache[ck] = Layout(numels, compressor.threshold == "auto", compressor.block,
-                                 compressor.blocks)
+        lay = cache[ck] = Layout(numels, state.threshold == "auto", state.block,
+                                 state.blocks)
     return lay
 
 
@@ -73,27 +73,27 @@ class BucketExchange:
     ``threshold`` and ``magnitude`` (the per-value levels the scatter exchange's finish takes) are
     made only when asked for."""
 
-    def __init__(self, compressor, tensors, keys, op, prescale, postscale, nranks):
-        self.layout = lay = layout_of(compressor, keys, tensors)
-        self.plan = plan_of(compressor, lay)
+    def __init__(self, state, tensors, keys, op, prescale, postscale, nranks):
+        self.layout = lay = layout_of(state, keys, tensors)
+        self.plan = plan_of(state, lay)
         self.tensors, self.keys = list(tensors), list(keys)
         self.op, self.nranks = op, int(nranks)
         self.scale = float(prescale) * float(postscale)
-        self.residuals = [compressor.residuals.get(k, t) for k, t in zip(keys, tensors)]
-        self.stats_slots = compressor.stats_slots
-        self.head = head = lay.header(compressor.threshold)
-        self.passes = passes_of(compressor, lay, self.plan, head, op == mpi_ops.Average,
+        self.residuals = [state.residuals.get(k, t) for k, t in zip(keys, tensors)]
+        self.stats_slots = state.stats_slots
+        self.head = head = lay.header(state.threshold)
+        self.passes = passes_of(state, lay, self.plan, head, op == mpi_ops.Average,
                                 self.scale)
         with tf.name_scope("twobit_encode"):
             self.befores = [r.read_value() for r in self.residuals]
             self.grad = _flat(lay, [codec._flat32(t) for t in self.tensors])
             self.before = _flat(lay, [tf.reshape(r, [-1]) for r in self.befores])
-            self.fixed = None if lay.auto else tf.constant(compressor.threshold, tf.float32)
+            self.fixed = None if lay.auto else tf.constant(state.threshold, tf.float32)
             lengths = levels = None
-            if lay.auto and native_ops.usable(compressor.auto_rule):
+            if lay.auto and native_ops.usable(state.auto_rule):
                 levels = native_ops.segment_levels(self.grad, self.before,
                                                    *native_ops.layout_ints(lay)[2:],
-                                                   rule=compressor.auto_rule)
+                                                   rule=state.auto_rule)
             elif lay.auto:  # the levels' divisors, from outside the compiled body
                 lengths = tf.constant(self.plan.lengths, tf.float64)
             self.payload, self.ts, self.vs = self.passes.encode(self.grad, self.before,

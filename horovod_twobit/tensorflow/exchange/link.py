@@ -36,12 +36,12 @@ def _allgather(process_set):
     return run
 
 
-def _codec_seconds(compressor, nranks, values):
+def _codec_seconds(state, nranks, values):
     """Seconds of a step's codec work on ``values`` values: one encode, and the decode-sum of
     ``nranks`` payloads (this rank's, repeated, in the place of the gathered ones)."""
     from horovod_twobit.tensorflow.exchange.single import Exchange
-    scratch = type(compressor)(compressor.threshold, block=compressor.block,
-                               blocks=compressor.blocks, bucket_bytes=0)  # a TwoBitState
+    scratch = type(state)(state.threshold, block=state.block,
+                               blocks=state.blocks, bucket_bytes=0)  # a TwoBitState
     g = tf.random.stateless_normal([values], seed=[1, 2])
 
     @tf.function(autograph=False)
@@ -58,7 +58,7 @@ def _codec_seconds(compressor, nranks, values):
     return best
 
 
-def measure(process_set, compressor):
+def measure(process_set, state):
     """A :class:`Link` of ``process_set`` from rank 0's measurements. Eager only."""
     if not tf.executing_eagerly():
         raise RuntimeError("TwoBitCompressor(fallback=\"auto\") measures the link eagerly, when its "
@@ -66,7 +66,7 @@ def measure(process_set, compressor):
                            "\"always\" there")
     N = process_set.size()
     got = figures(N, _allreduce(process_set),
-                  lambda n: _codec_seconds(compressor, max(N, 1), n),
+                  lambda n: _codec_seconds(state, max(N, 1), n),
                   allgather=_allgather(process_set) if N > 1 else None)
     got = mpi_ops.broadcast(tf.constant(got, tf.float64), 0, name="twobit.link.figures",
                             process_set=process_set)

@@ -14,10 +14,10 @@ import horovod.tensorflow.mpi_ops as mpi_ops
 from horovod_twobit.tensorflow import codec
 
 
-def run(compressor, tensors, keys, op, prescale, postscale, process_set, op_name,
+def run(state, tensors, keys, op, prescale, postscale, process_set, op_name,
         ignore_name_scope):
     """Exchanges dense floating-point ``tensors`` (residual keys ``keys``); returns the results."""
-    residuals = [compressor.residuals.get(k, t) for k, t in zip(keys, tensors)]
+    residuals = [state.residuals.get(k, t) for k, t in zip(keys, tensors)]
     before = [tf.reshape(r.read_value(), [-1]) for r in residuals]
     flat = tf.concat([codec._flat32(t) + b for t, b in zip(tensors, before)], 0)
     summed = mpi_ops._allreduce(flat, name=op_name + "_plain", op=mpi_ops.Sum,

@@ -45,9 +45,9 @@ from horovod_twobit.tensorflow.codec import scatter as scatter_codec
 from horovod_twobit.tensorflow import codec
 
 
-def chunks_of(compressor, layout, nranks):
+def chunks_of(state, layout, nranks):
     """The (cached) :class:`~horovod_twobit.wire.scatter.Chunks` of ``layout`` for ``nranks``."""
-    cache = compressor.eager_fns  # plain state, not a checkpoint dependency
+    cache = state.eager_fns  # plain state, not a checkpoint dependency
     key = ("chunks", id(layout), layout.digest, layout.auto, int(nranks))
     got = cache.get(key)
     if got is None or got.layout is not layout:
@@ -61,19 +61,19 @@ class ScatterStep:
     :attr:`send` / :attr:`splits` go to the alltoall, :meth:`reduce` makes the allgather's input
     from its output, :meth:`finish` the results from the allgather's output."""
 
-    def __init__(self, compressor, ex, layout, keys, nranks, owner):
-        self.compressor, self.ex, self.layout, self.keys = compressor, ex, layout, list(keys)
+    def __init__(self, state, ex, layout, keys, nranks, owner):
+        self.state, self.ex, self.layout, self.keys = state, ex, layout, list(keys)
         self.nranks, self.owner = int(nranks), int(owner)
-        self.chunks = chunks_of(compressor, layout, nranks)
+        self.chunks = chunks_of(state, layout, nranks)
         self.send, self.splits = scatter_codec.chunk_payloads(self.chunks, ex.payload,
-                                                              compressor.threshold)
+                                                              state.threshold)
         self.divisor = tf.constant(1.0, tf.float32)
         self.bad = None
 
     def reduce(self, received, splits):
         """The phase-2 payload from the alltoall's output; with "auto", also commits this owner's
         residual (in a graph: a dependency of the returned payload)."""
-        c, chunks = self.compressor, self.chunks
+        c, chunks = self.state, self.chunks
         residual = None
         if self.layout.auto:
             residual = c.owner_residual(scatter_wire.owner_key(self.keys),
@@ -94,14 +94,14 @@ class ScatterStep:
         rank's worker residuals (the allgather exchange's error feedback)."""
         ex, lay = self.ex, self.layout
         out, keep = scatter_codec.finish_reduced(self.chunks, gathered, self.keys,
-                                                 self.compressor.threshold, self.bad,
+                                                 self.state.threshold, self.bad,
                                                  self.divisor, ex.scale)
         before = tf.reshape(ex.before, [-1])
         new = tf.where(keep, before, codec.committed(ex.grad, before, ex.threshold, ex.magnitude))
         return bucket.commit(lay, ex.residuals, new, ex.tensors, out)
 
 
-def agreed(compressor, layout, keys, ex_payload, process_set, op_name, ignore_name_scope):
+def agreed(state, layout, keys, ex_payload, process_set, op_name, ignore_name_scope):
     """A boolean tensor, True once every rank has announced the scatter exchange for this bucket:
     its plan (:meth:`Layout.plan`) allgathered under the name, and in the name scope, of the
     allgather exchange's payload. A rank that uses the allgather exchange for the same tensors
@@ -115,7 +115,7 @@ def agreed(compressor, layout, keys, ex_payload, process_set, op_name, ignore_na
     rest of the graph, so it would not meet the other rank's payload; it would hang. The cost is
     one allgather of 32 bytes per rank, bucket and step."""
     nranks = process_set.size()
-    plan = layout.plan(compressor.threshold)
+    plan = layout.plan(state.threshold)
     # from a run-time value: Grappler's constant folding would run a collective of a constant
     words = tf.constant(plan, tf.int32) + tf.bitwise.bitwise_and(ex_payload[1:2], 0)
     gathered = mpi_ops.allgather(words, name=op_name,
@@ -136,11 +136,11 @@ def _check_plans(layout, nranks, keys, gathered):
         wire_checks.split_bucket(lambda a, b: flat[a:b], len(flat), nranks, list(keys))
 
 
-def run(compressor, ex, layout, keys, process_set, op_name, ignore_name_scope):
+def run(state, ex, layout, keys, process_set, op_name, ignore_name_scope):
     """The scatter exchange of an encoded ``ex`` over ``process_set``: the plan's agreement,
     alltoall, owner reduce, allgather, finish. Returns the results."""
-    step = ScatterStep(compressor, ex, layout, keys, process_set.size(), process_set.rank())
-    ok = agreed(compressor, layout, keys, ex.payload, process_set, op_name, ignore_name_scope)
+    step = ScatterStep(state, ex, layout, keys, process_set.size(), process_set.rank())
+    ok = agreed(state, layout, keys, ex.payload, process_set, op_name, ignore_name_scope)
     send = tf.where(ok, step.send, tf.zeros_like(step.send))  # phase 1 waits for the agreement
     received, splits = mpi_ops.alltoall(send, splits=step.splits, name=op_name,
                                         process_set=process_set,

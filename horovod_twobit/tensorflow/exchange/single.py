@@ -36,56 +36,54 @@ from horovod_twobit.tensorflow.exchange.bucket import BucketExchange, layout_of
 class Exchange:
     """One tensor's part of a collective: its payload, and what is needed to finish it."""
 
-    def __init__(self, compressor, tensor, key, op, prescale, postscale, nranks):
+    def __init__(self, state, tensor, key, op, prescale, postscale, nranks):
         self.tensor = tensor
         self.key = key
         self.tensors, self.keys = [tensor], [key]  # as BucketExchange's (scatter_exchange)
-        self.mode = compressor.threshold  # a number, or "auto"
+        self.mode = state.threshold  # a number, or "auto"
         self.op = op
         self.scale = float(prescale) * float(postscale)
         self.nranks = int(nranks)
         self.numel = tensor.shape.num_elements()
-        self.residual = compressor.residuals.get(key, tensor)
+        self.residual = state.residuals.get(key, tensor)
         self.residuals = [self.residual]
-        self.stats_slots = compressor.stats_slots
+        self.stats_slots = state.stats_slots
         self.grad = codec._flat32(tensor)
         self.before = self.residual.read_value()
         self.auto = self.mode == "auto"
         n = self.numel
-        self.block = wire.block_of(n, compressor.block, compressor.blocks)  # n is static
+        self.block = wire.block_of(n, state.block, state.blocks)  # n is static
+        head = layout_of(state, self.keys, self.tensors).header(self.mode)  # Layout.single's
         if self.block:
             # one (threshold, magnitude) per block of values; the magnitudes follow the header
-            tb, vb = self._levels(compressor, self.block)
+            tb, vb = self._levels(state, self.block)
             self.threshold = codec.per_value(tb, self.block, n)
             self.magnitude = codec.per_value(vb, self.block, n)
-            head = wire.make_header(n, 1.0, wire.FLAG_AUTO, self.block)
             tbits = tf.concat([tf.constant(head[4:], tf.int32), tf.bitcast(vb, tf.int32)], 0)
         elif self.auto:
             # chosen from r + g on this rank; the magnitude is carried in the header (word 4,
             # float32 bits) and the residual commit uses both. Tensors: no host sync.
-            self.threshold, self.magnitude = self._levels(compressor)
-            head = wire.make_header(self.numel, 1.0, wire.FLAG_AUTO)
+            self.threshold, self.magnitude = self._levels(state)
             tbits = tf.reshape(tf.bitcast(self.magnitude, tf.int32), [1])
         else:
             self.threshold = self.magnitude = self.mode
-            head = wire.make_header(self.numel, self.threshold)
             tbits = tf.constant(head[4:], tf.int32)
         words, nonfinite = kernels.encode(self.grad, tf.reshape(self.before, [-1]), self.threshold)
         flags = tf.bitwise.bitwise_or(tf.cast(nonfinite, tf.int32) * wire.FLAG_NONFINITE, head[1])
         self.payload = tf.concat([tf.constant(head[:1], tf.int32), tf.reshape(flags, [1]),
                                   tf.constant(head[2:4], tf.int32), tbits, words], axis=0)
 
-    def _levels(self, compressor, block=None):
+    def _levels(self, state, block=None):
         """This rank's (threshold, magnitude) of r + g, per block with ``block``: from the CPU op
         (:mod:`native_ops`) over the segments of the tensor's layout where the op serves, else
         as :func:`codec.auto_levels` and :func:`codec.block_levels` compute them with TF ops, the
         same bits."""
-        rule = compressor.auto_rule
+        rule = state.auto_rule
         if self.numel is None or not native_ops.usable(rule):
             if block:
                 return codec.block_levels(self.before, self.grad, block, rule)
             return codec.auto_levels(self.before, self.grad, rule)
-        lay = layout_of(compressor, self.keys, self.tensors)  # its blocks are the segments
+        lay = layout_of(state, self.keys, self.tensors)  # its blocks are the segments
         t, v = native_ops.segment_levels(self.grad, tf.reshape(self.before, [-1]),
                                          *native_ops.layout_ints(lay)[2:], rule=rule)
         return (t, v) if block else (t[0], v[0])
@@ -196,28 +194,28 @@ def translate(error):
     return wire.PayloadMismatchError(text)
 
 
-def run(compressor, tensors, keys, op, prescale, postscale, process_set, op_name,
+def run(state, tensors, keys, op, prescale, postscale, process_set, op_name,
         ignore_name_scope):
     """Exchanges a list of dense floating-point tensors: one tensor alone, several as one bucket
     (:mod:`horovod_twobit.tensorflow.exchange.bucket`); one allgather either way, or with
     ``exchange="scatter"`` (or "auto" choosing it) an alltoall and an allgather
     (:mod:`horovod_twobit.tensorflow.exchange.scatter`). Returns the results."""
     nranks = process_set.size()
-    layout = layout_of(compressor, keys, tensors)
-    if compressor.plain(layout, keys, process_set):  # the fallback: uncompressed, g + r
+    layout = layout_of(state, keys, tensors)
+    if state.plain(layout, keys, process_set):  # the fallback: uncompressed, g + r
         from horovod_twobit.tensorflow.exchange import plain as plain_exchange
-        out = plain_exchange.run(compressor, tensors, keys, op, prescale, postscale, process_set,
+        out = plain_exchange.run(state, tensors, keys, op, prescale, postscale, process_set,
                                  op_name, ignore_name_scope)
-        return compressor.stats_slots.record(layout, keys, "plain", nranks, process_set.rank(),
+        return state.stats_slots.record(layout, keys, "plain", nranks, process_set.rank(),
                                              None, out)
     if len(tensors) == 1:
-        ex = Exchange(compressor, tensors[0], keys[0], op, prescale, postscale, nranks)
+        ex = Exchange(state, tensors[0], keys[0], op, prescale, postscale, nranks)
     else:
-        ex = BucketExchange(compressor, tensors, keys, op, prescale, postscale, nranks)
-    exchange = scatter_wire.choose(compressor.exchange, layout, nranks)
+        ex = BucketExchange(state, tensors, keys, op, prescale, postscale, nranks)
+    exchange = scatter_wire.choose(state.exchange, layout, nranks)
     if exchange == "scatter":
         from horovod_twobit.tensorflow.exchange import scatter as scatter_exchange
-        out = scatter_exchange.run(compressor, ex, layout, keys, process_set, op_name,
+        out = scatter_exchange.run(state, ex, layout, keys, process_set, op_name,
                                    ignore_name_scope)
         norms = bad = None  # the stats read this exchange's residuals when asked
     else:
@@ -225,5 +223,5 @@ def run(compressor, tensors, keys, op, prescale, postscale, process_set, op_name
                                      ignore_name_scope=ignore_name_scope)
         out = ex.finish(gathered)
         out, norms, bad = out if len(tensors) > 1 else [out], ex.norms, ex.bad
-    return compressor.stats_slots.record(layout, keys, exchange, nranks, process_set.rank(),
+    return state.stats_slots.record(layout, keys, exchange, nranks, process_set.rank(),
                                          ex.payload, out, norms, bad)
