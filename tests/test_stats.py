@@ -1,8 +1,8 @@
-"""TwoBitCompressor.stats(), checked against values computed independently: bytes from the
-formats' own counts (Layout.payload_words, scatter_wire.Chunks), the fraction sent and the levels
-from the NumPy reference's replay of the same gradients, residual norms from the reference's
-residuals, the NaN step counted once, and reset=True clearing the running sums; TensorFlow's read
-as one traced call made once, and the bucket benchmark's stats-reading twins."""
+"""TwoBitCompressor.stats(), checked against values computed independently: bytes from the sizes
+of the tensors each rank handed to Horovod's collectives (counted in the job), the fraction sent
+and the levels from the NumPy reference's replay of the same gradients, residual norms from the
+reference's residuals, the NaN step counted once, and reset=True clearing the running sums;
+TensorFlow's read as one traced call made once, and the bucket benchmark's stats-reading twins."""
 
 import json
 
@@ -74,19 +74,36 @@ def _expected(ranks, threshold, exchange, GROUPS):  # noqa: N803
     return out
 
 
-def _bytes(threshold, exchange, rank, framework, N=2):
+def _handed_bytes(handed):
+    """Bytes per exchange of one step, from the tensors the step handed to the collectives
+    (collective, name, bytes: as the job's workers count them): a bucket that goes through an
+    alltoall uses the scatter exchange, its alltoall and its allgather under the alltoall's name
+    plus "reduced" count as "scatter"; its allgather under the alltoall's own name is the
+    agreement on its plan, which the stats leave out (PyTorch sends it at the first step,
+    TensorFlow every step); any other allgather is the allgather exchange's. Nothing goes as
+    "plain": the jobs have no fallback."""
+    scattered = {name for kind, name, _ in handed if kind == "alltoall"}
+    reduced = {s + sep + "reduced" for s in scattered for sep in "._"}
     total = {"allgather": 0, "scatter": 0, "plain": 0}
-    groups, sizes = FRAMEWORKS[framework]
-    for g in groups:
-        numels = [sizes[n] for n in g]
-        lay = Layout(numels, threshold == "auto", *wire.validate_blocks(threshold))
-        ex = sw.choose(exchange, lay, N)
-        if ex == "scatter":
-            ch = sw.Chunks(lay, N)
-            total[ex] += 4 * (sum(ch.sent_words(c) for c in range(N)) + ch.reduced_words(rank))
-        else:
-            total[ex] += 4 * lay.payload_words
+    for kind, name, nbytes in handed:
+        if kind == "alltoall" or name in reduced:
+            total["scatter"] += nbytes
+        elif name not in scattered:
+            total["allgather"] += nbytes
+    for s in scattered:  # one alltoall and one reduced chunk per scatter bucket and step
+        assert [k for k, name, _ in handed if name == s].count("alltoall") == 1
+        assert sum(name in (s + ".reduced", s + "_reduced") for _, name, _ in handed) == 1
     return total
+
+
+def _measured(r, framework, step):
+    """What step ``step`` of a rank's record handed to the collectives, per exchange: PyTorch's
+    counted in the step itself; TensorFlow's where the step was traced (once: the graph every
+    step runs)."""
+    if framework == "torch":
+        return _handed_bytes(json.loads(str(r["handed/%d" % step])))
+    assert int(r["traces"]) == 1
+    return _handed_bytes(json.loads(str(r["handed"])))
 
 
 @pytest.mark.parametrize("framework,index", [(f, i) for f in CONFIGS for i in range(len(CONFIGS[f]))],
@@ -97,13 +114,14 @@ def test_stats_match_independent_counts(tmp_path_factory, framework, index):
     GROUPS = FRAMEWORKS[framework][0]
     want = _expected(ranks, threshold, exchange, GROUPS)
     for rank, r in enumerate(ranks):
-        per_step = _bytes(threshold, exchange, rank, framework)
-        assert sum(per_step.values()) > 0
         for step in range(STEPS):
             st = json.loads(str(r["stats/%d" % step]))
             since = step + 1 if step <= RESET_STEP else step - RESET_STEP
+            per_step = _measured(r, framework, step)
+            assert sum(per_step.values()) > 0
             assert st["bytes_last_step"] == per_step
-            assert st["bytes_total"] == {k: since * v for k, v in per_step.items()}
+            counted = [_measured(r, framework, s) for s in range(step + 1 - since, step + 1)]
+            assert st["bytes_total"] == {k: sum(c[k] for c in counted) for k in per_step}
             assert sum(st["bucket_steps"].values()) == since * len(GROUPS)
             assert st["nonfinite_steps"] == (1 if NAN_STEP <= step <= RESET_STEP else 0)
             assert sorted(b["tensors"] for b in st["buckets"].values()) == sorted(GROUPS)
@@ -140,7 +158,8 @@ def test_keras_callback_puts_stats_in_logs(tmp_path_factory, index):
         logs = json.loads(str(r["keras_logs"]))
         final = json.loads(str(r["keras_stats"]))
         assert len(logs) == 6  # 2 epochs of 3 batches
-        per_step = _bytes(threshold, exchange, rank, "tf")
+        per_step = _handed_bytes(json.loads(str(r["keras_handed"])))  # Keras' traced step
+        assert sum(per_step.values()) > 0
         for i, log in enumerate(logs):
             for ex, nbytes in per_step.items():
                 assert log["twobit/bytes_last_step/" + ex] == nbytes
@@ -479,8 +498,15 @@ def test_tf_reads_from_the_table_give_what_the_usual_read_gives(threshold, monke
     step(5.0)
     st, usual = both()
     same(st, usual)
-    assert fast[-1] and st["bytes_total"]["allgather"] == sum(
-        4 * lay.payload_words for _, lay in buckets) and st["nonfinite_steps"] == 0
+    # one step's bytes from first principles (2 bits per value in whole 32-bit words): "a" alone,
+    # the header and its 40 values (with "auto" its one magnitude in the header); the bucket of
+    # "b" and "c", its header, a word of its two members' flag bytes, with "auto" one float32
+    # magnitude per member (each a single block), and each member's values in words of its own
+    words = lambda n: (2 * n + 31) // 32  # noqa: E731
+    handed = (4 * (wire.HEADER_WORDS + words(40))
+              + 4 * (wire.BUCKET_HEADER_WORDS + 1 + 2 * auto + words(70) + words(9)))
+    assert sum(4 * int(p.shape[0]) for p in payloads) == handed  # the payloads the step hands
+    assert fast[-1] and st["bytes_total"]["allgather"] == handed and st["nonfinite_steps"] == 0
     fast.clear()
     for _ in range(3):
         step(6.0)
@@ -511,7 +537,7 @@ def test_torch_norms_computed_by_the_step_are_read_until_the_residuals_change():
     from horovod_twobit.torch.exchange.bucket import Bucket
     reg = ResidualRegistry(zeros_like=torch.zeros_like, numel=lambda r: r.numel())
     current = torch.full([40], 0.25)
-    bucket = SimpleNamespace(compressor=SimpleNamespace(residuals=reg), step_norms=None, steps=0,
+    bucket = SimpleNamespace(state=SimpleNamespace(residuals=reg), step_norms=None, steps=0,
                              current_residual=lambda: current)
     read = stats_read.bucket_norms(bucket)
     assert read() == (pytest.approx(40 / 16), 0.25)  # nothing kept: the residual itself
@@ -525,12 +551,12 @@ def test_torch_norms_computed_by_the_step_are_read_until_the_residuals_change():
     for _ in range(2):  # stale: read from the residual, however often, until the next step
         assert read() == (pytest.approx(40 / 16), 0.25)
 
-    real = Bucket(TwoBitCompressor(0.5), ["a"], [40])
+    real = Bucket(TwoBitCompressor(0.5).state, ["a"], [40])
     assert not real.prepares_stats()  # never read: no stats work in any step
-    real.compressor.stats()
+    real.state.stats()
     assert [real.prepares_stats() for _ in range(3)] == [True, False, False]
-    real.compressor.stats()
-    real.compressor.stats()
+    real.state.stats()
+    real.state.stats()
     assert [real.prepares_stats() for _ in range(2)] == [True, False]
 
 

@@ -1,12 +1,14 @@
 """A bucket's encode and finish as CPU ops (horovod_twobit/tensorflow/bucket_encode.cc and
 bucket_finish.cc, through bucket_passes.NativePasses): the payloads, results and residuals of the
 TF and XLA bodies, bit for bit, over several steps and ranks, through a NaN/Inf step and the
-steps after it; the ops' errors; where they are not used."""
+steps after it, and the results and residuals of both those of the NumPy reference (with a
+prescale, one rank, an empty member and the fault); the ops' errors; where they are not used."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from horovod_twobit import reference as ref
 from horovod_twobit.tensorflow.codec import passes as bucket_passes, native_ops
 from horovod_twobit.tensorflow import TwoBitCompressor
 from horovod_twobit.tensorflow.exchange.bucket import BucketExchange
@@ -28,8 +30,8 @@ SHAPES = {"xla": [(300, 257), (17,), (0,), (128, 128), (5,)],  # above kernels.C
 def _run(shapes, threshold, kw, nranks, graph, op, scale, steps=4, fault=1):
     """``steps`` steps of one bucket on ``nranks`` simulated ranks (each its own compressor and
     gradients; the payloads gathered in rank order); rank 1's (or 0's) second member holds NaN and
-    Inf at step ``fault``. Returns every step's payloads, results and residuals, and how many
-    exchanges ran the ops."""
+    Inf at step ``fault``. Returns every step's payloads, results and residuals, how many
+    exchanges ran the ops, and every step's gradients (``grads[step][rank][member]``)."""
     comps = [TwoBitCompressor(threshold, **kw) for _ in range(nranks)]
     keys = ["t%d" % i for i in range(len(shapes))]
     used = []
@@ -49,7 +51,7 @@ def _run(shapes, threshold, kw, nranks, graph, op, scale, steps=4, fault=1):
         return [ex.payload for ex in exs], [ex.finish(gathered) for ex in exs]
 
     step = tf.function(step, autograph=False) if graph else step
-    out = []
+    out, inputs = [], []
     orig = native_ops.bucket_encode
     native_ops.bucket_encode = counted
     try:
@@ -62,12 +64,37 @@ def _run(shapes, threshold, kw, nranks, graph, op, scale, steps=4, fault=1):
             if s == fault:
                 bad = grads[min(1, nranks - 1)][1].reshape(-1)
                 bad[0], bad[-1] = np.nan, -np.inf
+            inputs.append([[g.copy() for g in gs] for gs in grads])
             payloads, results = step(*[tf.constant(g) for gs in grads for g in gs])
             out.append([p.numpy() for p in payloads] + [r.numpy() for rs in results for r in rs]
                        + [c.residuals.variable(k).numpy() for c in comps for k in keys])
     finally:
         native_ops.bucket_encode = orig
-    return out, len(used)
+    return out, len(used), inputs
+
+
+def _reference(shapes, threshold, kw, nranks, op, scale, inputs):
+    """The NumPy reference's results and residuals of the same steps: per step, each rank's
+    results (``[rank][member]``, each member's shape) and each rank's residuals
+    (``[rank][member]``, flat)."""
+    w = ref.Workers(nranks, threshold, **kw)
+    keys = ["t%d" % i for i in range(len(shapes))]
+    mode = "average" if op == mpi_ops.Average else "sum"
+    out = []
+    for grads in inputs:
+        want = w.bucket(keys, grads, op=mode, prescale=scale)
+        out.append(([[np.reshape(x, sh) for x, sh in zip(want, shapes)]] * nranks,
+                    [[w.residuals[r][k].copy() for k in keys] for r in range(nranks)]))
+    return out
+
+
+def _same_bits(got, want, msg):
+    """Bit for bit: NaN where the reference has NaN, every other value's float32 bits equal."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, msg
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan, err_msg=msg)
+    np.testing.assert_array_equal(got[~nan].view(np.int32), want[~nan].view(np.int32), err_msg=msg)
 
 
 @pytest.mark.parametrize("shapes", list(SHAPES), ids=list(SHAPES))
@@ -80,17 +107,32 @@ def _run(shapes, threshold, kw, nranks, graph, op, scale, steps=4, fault=1):
                          ids=["fixed", "auto", "auto-block16", "auto-blocks4"])
 def test_bucket_ops_match_the_bodies_through_a_fault(op, monkeypatch, shapes, graph, op_, scale,
                                                      nranks, threshold, kw):
-    with_ops, used = _run(SHAPES[shapes], threshold, kw, nranks, graph, op_, scale)
+    with_ops, used, inputs = _run(SHAPES[shapes], threshold, kw, nranks, graph, op_, scale)
     assert used, "the bucket did not run the ops"
     monkeypatch.setattr(bucket_passes, "native", lambda *a: False)
-    bodies, used = _run(SHAPES[shapes], threshold, kw, nranks, graph, op_, scale)
+    bodies, used, again = _run(SHAPES[shapes], threshold, kw, nranks, graph, op_, scale)
     assert not used
+    # both against the NumPy reference (the prescale, one rank, the empty member, the fault)
+    nmembers = len(SHAPES[shapes])
+    for s, (results, residuals) in enumerate(_reference(SHAPES[shapes], threshold, kw, nranks,
+                                                        op_, scale, inputs)):
+        for name, arrays, grads in (("ops", with_ops[s], inputs[s]), ("bodies", bodies[s],
+                                                                       again[s])):
+            assert all(np.array_equal(a, b, equal_nan=True)
+                       for ga, gb in zip(grads, inputs[s]) for a, b in zip(ga, gb))
+            got = arrays[nranks:nranks + nranks * nmembers]
+            res = arrays[nranks + nranks * nmembers:]
+            for rank in range(nranks):
+                for i in range(nmembers):
+                    msg = "%s, step %d, rank %d, member %d" % (name, s, rank, i)
+                    _same_bits(got[rank * nmembers + i], results[rank][i], "result: " + msg)
+                    _same_bits(res[rank * nmembers + i].reshape(-1), residuals[rank][i],
+                               "residual: " + msg)
     for s, (a, b) in enumerate(zip(with_ops, bodies)):
         for i, (x, y) in enumerate(zip(a, b)):
             np.testing.assert_array_equal(x.view(np.int32), y.view(np.int32),
                                           err_msg="step %d, array %d" % (s, i))
     # the faulty member is NaN on every rank at the fault and finite at every step after it
-    nmembers = len(SHAPES[shapes])
     for s, arrays in enumerate(with_ops):
         results = arrays[nranks:nranks + nranks * nmembers]
         for rank in range(nranks):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from horovod_twobit import reference as ref
 from horovod_twobit.reference import codec as rc
 from horovod_twobit import wire
 from horovod_twobit.tensorflow.codec import native_ops
@@ -112,13 +113,16 @@ def test_op_is_not_used_for_the_opt_rule_nor_with_a_gpu(op, monkeypatch):
 def _bucket_step(shapes, threshold, blocks, seed, graph, exchange=BucketExchange):
     """Two steps of one bucket through a BucketExchange (or one tensor through an ``exchange``
     of the communicator), 2 ranks simulated by this rank's payload twice: each step's payload,
-    result and residuals."""
+    result and residuals. Each step's results and residuals are also checked, bit for bit,
+    against the NumPy reference's two workers given the same gradients."""
     rng = np.random.default_rng(seed)
     comp = TwoBitCompressor(threshold, blocks=blocks)
+    workers = ref.Workers(2, threshold, blocks=blocks)
     keys = ["t%d" % i for i in range(len(shapes))]
     out = []
     for _ in range(2):
-        gs = [tf.constant((rng.standard_normal(s) * 0.01).astype(np.float32)) for s in shapes]
+        xs = [(rng.standard_normal(s) * 0.01).astype(np.float32) for s in shapes]
+        gs = [tf.constant(x) for x in xs]
 
         def step(gs):
             if exchange is BucketExchange:
@@ -131,6 +135,13 @@ def _bucket_step(shapes, threshold, blocks, seed, graph, exchange=BucketExchange
         payload, res = tf.function(step, autograph=False)(gs) if graph else step(gs)
         out.append([payload.numpy()] + [r.numpy() for r in res]
                    + [comp.residuals.get(k, g).numpy() for k, g in zip(keys, gs)])
+        want = workers.bucket(keys, [xs, xs])
+        for i, (k, w) in enumerate(zip(keys, want)):
+            np.testing.assert_array_equal(out[-1][1 + i].view(np.int32), w.view(np.int32),
+                                          err_msg="result of %s" % k)
+            np.testing.assert_array_equal(out[-1][1 + len(keys) + i].reshape(-1).view(np.int32),
+                                          workers.residuals[0][k].view(np.int32),
+                                          err_msg="residual of %s" % k)
     return out
 
 

@@ -2,12 +2,16 @@
 
 A bucket's payload goes through ``codec.encode_payload`` on every rank; the concatenation of the
 payloads (what the allgather returns) through ``codec.finish_payload``. Every member's result and
-residual must be the reference's for that tensor alone, bit for bit."""
+residual must be the reference's for that tensor alone, bit for bit. And a real job's training,
+bucketed and each tensor alone (tests/workers/torch_buckets.py), step by step against the
+reference's workers."""
 
 import numpy as np
 import pytest
 import torch
 
+import jobs
+import sim
 from horovod_twobit import reference as ref
 from horovod_twobit import wire
 from horovod_twobit.wire.layout import Layout, assign_buckets
@@ -201,3 +205,67 @@ def test_layout_groups_equal_segments():
     assert starts[256] == 0 and starts[32] == 18432  # runs of blocks: views, no gather
     assert Layout([9216, 32, 9216], True, 64, 64).groups[-1][2] is None  # gathered
     assert sum(lay.seg_words) == lay.words - 0  # every word belongs to one segment
+
+
+def bucket_job(tmp_path_factory, threshold):
+    """The ranks' records of tests/workers/torch_buckets.py on 3 ranks (one job per threshold
+    and test session, shared by the tests that ask)."""
+    def job():
+        out = tmp_path_factory.mktemp("torch_buckets")
+        jobs.run(3, "torch_buckets.py", "--out", out, "--threshold", threshold)
+        return out
+    return sim.load_ranks(str(jobs.shared(("torch_buckets", threshold), job)), 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threshold", [0.05, "auto"])
+def test_bucketed_training_matches_the_reference_step_by_step(tmp_path_factory, threshold):
+    """hvd.DistributedOptimizer's training with buckets, and with each tensor alone: at every
+    step, every rank's aggregated gradients and residuals are those of ``ref.Workers`` fed the
+    ranks' local gradients bucket by bucket, bit for bit: the BatchNorm's parameters, the layer
+    that gets no gradient on odd steps (Horovod sends zeros for it there), the float64 parameter
+    (sent as float32, its result cast back)."""
+    ranks = bucket_job(tmp_path_factory, threshold)
+    r0 = ranks[0]
+    names = sorted({k.split("/", 3)[3] for k in r0 if k.startswith("agg/bucketed/0/")})
+    steps = sorted({int(k.split("/")[2]) for k in r0 if k.startswith("agg/bucketed/")})
+    assert len(names) == 11 and len(steps) == 6
+    assert {"bn.weight", "bn.bias", "unused.weight", "unused.bias", "scale"} <= set(names)
+    for run in ("bucketed", "alone"):
+        groups = [str(g).split(",") for g in r0["groups/" + run]]
+        for r in ranks[1:]:
+            assert [str(g).split(",") for g in r["groups/" + run]] == groups
+        if run == "bucketed":
+            assert len(groups) >= 2 and any(len(g) > 1 for g in groups)
+            assert {"bn.weight", "bn.bias", "unused.weight"} <= {n for g in groups for n in g}
+        grouped = {n for g in groups for n in g}
+        groups += [[n] for n in names if n not in grouped]  # the tensors that travel alone
+        assert sorted(n for g in groups for n in g) == names
+        w = ref.Workers(3, threshold)
+        sent = 0
+        for step in steps:
+            local = []
+            for r in ranks:
+                got = {}
+                for n in names:
+                    k = "local/%s/%d/%s" % (run, step, n)
+                    if k in r:
+                        got[n] = r[k].astype(np.float32)  # the float64 one: sent as float32
+                    else:  # no gradient: Horovod's optimizer allreduces zeros
+                        got[n] = np.zeros(r["agg/%s/%d/%s" % (run, step, n)].shape, np.float32)
+                missing = sorted(set(names) - {n for n in names
+                                               if "local/%s/%d/%s" % (run, step, n) in r})
+                assert missing == ([] if step % 2 == 0 else ["unused.bias", "unused.weight"])
+                local.append(got)
+            for g in groups:
+                want = w.bucket(g, [[loc[n] for n in g] for loc in local])
+                for n, x in zip(g, want):
+                    sent += int(np.count_nonzero(x))
+                    for rank, r in enumerate(ranks):
+                        msg = "%s run, rank %d, step %d, %s" % (run, rank, step, n)
+                        got = r["agg/%s/%d/%s" % (run, step, n)]
+                        np.testing.assert_array_equal(got, x.astype(got.dtype), err_msg=msg)
+                        np.testing.assert_array_equal(
+                            r["res/%s/%d/%s" % (run, step, n)].view(np.int32),
+                            w.residuals[rank][n].view(np.int32), err_msg=msg)
+        assert sent > 0

@@ -3,7 +3,9 @@ order the gradients are submitted in on each rank; each rank saves what it saw t
 
 1. Two copies of one model (conv + BatchNorm + linear layers, one layer unused on odd steps, one
    float64 parameter), one trained with the default buckets, one with bucket_bytes=0; both with
-   hvd.DistributedOptimizer and the same data.
+   hvd.DistributedOptimizer and the same data. Per run and step: each parameter's local gradient
+   (as its hook saw it; none where it got no gradient), its aggregated gradient and its residual
+   after the step; per run, the tensors of each bucket.
 2. Hand-submitted hvd.allreduce_async_ on a planned compressor, in a different order on every rank
    and step.
 """
@@ -57,10 +59,16 @@ class Net(torch.nn.Module):
         return self.head(h) * self.scale.float()
 
 
-def make(bucket_bytes):
+local = {}
+
+
+def make(key, bucket_bytes):
     torch.manual_seed(0)
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    mine = local.setdefault(key, {})
+    for n, prm in model.named_parameters():  # what each rank computed, before the exchange
+        prm.register_hook(lambda g, n=n, mine=mine: mine.__setitem__(n, g.detach().clone()))
     c = TwoBitCompressor(args.threshold, bucket_bytes=bucket_bytes)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=model.named_parameters(), compression=c)
@@ -68,20 +76,29 @@ def make(bucket_bytes):
 
 
 rec = {}
-runs = {"bucketed": make(args.bucket_bytes), "alone": make(0)}
+runs = {"bucketed": make("bucketed", args.bucket_bytes), "alone": make("alone", 0)}
 rec["buckets"] = np.array(len({id(b) for b in runs["bucketed"][2]._buckets.values()}))
+for key, (_, _, c) in runs.items():
+    rec["groups/" + key] = np.array([",".join(b.names) for b in
+                                     {id(b): b for b in c._buckets.values()}.values()])
 for step in range(args.steps):
     rng = np.random.default_rng(100 * rank + step)
     x = torch.from_numpy(rng.standard_normal((4, 3, 4, 4)).astype(np.float32))
     y = torch.from_numpy(rng.standard_normal((4, 5)).astype(np.float32))
-    for key, (model, opt, _) in runs.items():
+    for key, (model, opt, c) in runs.items():
         opt.zero_grad()
+        mine = local[key]
+        mine.clear()
         before = calls["allgather"]
         ((model(x, step) - y) ** 2).mean().backward()
         opt.synchronize()
         rec["allgathers/%s/%d" % (key, step)] = np.array(calls["allgather"] - before)
         for n, prm in model.named_parameters():
             rec["agg/%s/%d/%s" % (key, step, n)] = prm.grad.double().numpy().copy()
+            if n in mine:
+                rec["local/%s/%d/%s" % (key, step, n)] = mine[n].numpy().copy()
+        for n, r in c.state_dict()["residuals"].items():
+            rec["res/%s/%d/%s" % (key, step, n)] = np.asarray(r).reshape(-1).copy()
         with opt.skip_synchronize():
             opt.step()
 for key, (model, _, c) in runs.items():

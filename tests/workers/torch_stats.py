@@ -1,8 +1,9 @@
 """TwoBitCompressor.stats() in a real job: hvd.DistributedOptimizer with buckets (bucket_bytes=
 2048: a bucket of three tensors and a tensor alone), a NaN on the last rank at step 2, stats read
 after every step (and reset after step 3). Saves, per configuration (--configs THRESHOLD:EXCHANGE)
-and rank, the local gradients, the residuals before each step and the stats (as JSON) to
-OUT/<index>/rank<r>.npz."""
+and rank, the local gradients, the residuals before each step, the stats (as JSON) and, per step,
+every tensor this rank handed to Horovod's allgather and alltoall (collective, name, bytes: its
+number of elements times its element size, as JSON) to OUT/<index>/rank<r>.npz."""
 
 import argparse
 import json
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 
 import horovod.torch as hvd
+import horovod.torch.mpi_ops as mpi_ops
 from horovod_twobit.torch import TwoBitCompressor
 from configs import run_each, threshold_exchange
 
@@ -22,6 +24,18 @@ args = p.parse_args()
 hvd.init()
 rank = hvd.rank()
 torch.set_num_threads(1)
+handed = []  # (collective, name, bytes) of each tensor handed to the collectives
+
+
+def counting(kind, collective):
+    def call(tensor, *a, **kw):
+        handed.append((kind, kw.get("name") or "", tensor.numel() * tensor.element_size()))
+        return collective(tensor, *a, **kw)
+    return call
+
+
+mpi_ops.allgather_async = counting("allgather", mpi_ops.allgather_async)
+mpi_ops.alltoall_async = counting("alltoall", mpi_ops.alltoall_async)
 
 
 def run(threshold, exchange):
@@ -50,8 +64,10 @@ def run(threshold, exchange):
         x = torch.from_numpy(rng.standard_normal((16, 12)).astype(np.float32))
         y = torch.from_numpy(rng.standard_normal((16, 6)).astype(np.float32))
         opt.zero_grad()
+        handed.clear()
         ((model(x) - y) ** 2).mean().mul(3.0).backward()
         opt.synchronize()
+        rec["handed/%d" % step] = np.array(json.dumps(handed))
         for n in names:
             rec["local/%d/%s" % (step, n)] = local[n].numpy().copy()
         rec["bucket_stats/%d" % step] = np.array(json.dumps(c.stats()))  # norms per bucket
