@@ -16,25 +16,11 @@ import torch
 from horovod_twobit import wire
 from horovod_twobit.state import checkpoint
 from horovod_twobit.state.fallback import decide, validate_fallback
-from horovod_twobit.state.residuals import ResidualRegistry
 from horovod_twobit.state.stats import StatsLog
 from horovod_twobit.torch.codec import stats as stats_read
 from horovod_twobit.torch.exchange.bucket import Bucket
+from horovod_twobit.torch.residuals import Residuals
 from horovod_twobit.wire import layout, scatter as scatter_wire
-
-
-def _to_state(r):
-    return r.detach().to("cpu", copy=True)
-
-
-def _from_state(value, like):
-    return like.copy_(torch.as_tensor(value).reshape(like.shape))
-
-
-def _registry():
-    return ResidualRegistry(
-        zeros_like=lambda g: torch.zeros(g.shape, dtype=torch.float32, device=g.device),
-        numel=lambda r: r.numel(), to_state=_to_state, from_state=_from_state)
 
 
 def horovod_rank_size():
@@ -63,10 +49,10 @@ class TwoBitState:
         self.exchange = scatter_wire.validate_exchange(exchange)
         self.fallback = validate_fallback(fallback)
         self.rank_size = rank_size or horovod_rank_size
-        self.residuals = _registry()  # the workers' residuals, by tensor name
+        self.residuals = Residuals()  # the workers' residuals, by tensor name
         # the residuals this rank keeps as owner of scatter chunks ("auto" only), keyed by
         # bucket, and the (rank, size) they belong to
-        self.owners = _registry()
+        self.owners = Residuals()
         self._owner_of = None
         self.decisions = {}  # (bucket key, number of ranks) -> "compressed" / "plain"
         self._links = {}  # (process set id, size) -> the measured Link
