@@ -4,7 +4,8 @@ As PyTorch's ``PowerSGDState`` holds what ``powerSGD_hook`` needs, a :class:`Two
 the configuration (threshold, "auto" blocks, buckets, exchange, fallback), the residuals (the
 workers' by tensor name, the scatter owners' by bucket), the buckets, the fallback's link
 measurements and decisions, the stats and the checkpoint. The exchanges
-(:mod:`horovod_twobit.torch.exchange`) are functions of (state, bucket);
+(:mod:`horovod_twobit.torch.exchange`) are functions of (state, bucket), imported when a state
+makes its first bucket: the state itself, like the codec, imports without Horovod;
 :class:`horovod_twobit.torch.TwoBitCompressor` is Horovod's ``Compressor`` face over one state.
 """
 
@@ -18,7 +19,6 @@ from horovod_twobit.state import checkpoint
 from horovod_twobit.state.fallback import decide, validate_fallback
 from horovod_twobit.state.stats import StatsLog
 from horovod_twobit.torch.codec import stats as stats_read
-from horovod_twobit.torch.exchange.bucket import Bucket
 from horovod_twobit.torch.residuals import Residuals
 from horovod_twobit.wire import layout, scatter as scatter_wire
 
@@ -94,6 +94,7 @@ class TwoBitState:
         the order their gradients are expected to become ready): the tensors this compressor
         will compress, cut into runs of at most ``bucket_bytes`` on the same device. A later
         plan replaces an earlier one's buckets."""
+        from horovod_twobit.torch.exchange.bucket import Bucket
         entries = [(n, p.numel(), p.numel() * p.element_size(), p.device)
                    for n, p in named_parameters
                    if p.is_floating_point() and p.numel() >= self.min_numel]
@@ -110,6 +111,7 @@ class TwoBitState:
 
     def single(self, name, tensor):
         """The bucket of ``tensor`` alone, under ``name``."""
+        from horovod_twobit.torch.exchange.bucket import Bucket
         b = self._singles.get(name)
         if b is None or b.layout.numels[0] != tensor.numel():
             b = self._singles[name] = Bucket(self, [name], [tensor.numel()])
@@ -117,6 +119,7 @@ class TwoBitState:
 
     def group_bucket(self, names, tensors):
         """The bucket of a grouped allreduce's tensors (made once per group)."""
+        from horovod_twobit.torch.exchange.bucket import Bucket
         key = tuple(names) + tuple(t.numel() for t in tensors)
         b = self._singles.get(key)
         if b is None:
