@@ -82,3 +82,15 @@ def test_the_top_level_holds_few_modules():
     top = [m for m in import_graph.modules() if m.count(".") == 1
            and not import_graph.modules()[m].endswith("__init__.py")]
     assert len(top) <= 4, top
+
+
+def test_the_faces_stay_thin():
+    """``TwoBitCompressor`` is Horovod's face over a ``TwoBitState`` in both bindings: under 120
+    lines each (decorators and docstring included); the state holds the rest."""
+    mods = import_graph.modules()
+    sizes = {}
+    for b in ("torch", "tensorflow"):
+        tree = ast.parse(open(mods[P + b + ".compressor"]).read())
+        (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TwoBitCompressor"]
+        sizes[b] = cls.end_lineno - cls.lineno + 1 + len(cls.decorator_list)
+    assert all(n < 120 for n in sizes.values()), sizes

@@ -109,14 +109,10 @@ class TwoBitCompressor(Compressor, tf.Module):
         return tensor
 
     def stats(self, reset=False, per_tensor=False):
-        """What this compressor did, as a plain dict (eager only): bytes this rank handed to the
-        collectives at every bucket's last step and in total (per exchange), the fraction of
-        values it sent at the last step, the threshold (with "auto": the mean of the levels it
-        sent), the bucket steps whose result was NaN, and per bucket its exchange, fraction sent
-        and residual norms (per tensor with ``per_tensor=True``); the keys are those of
-        :func:`horovod_twobit.state.stats.summarize`. ``reset=True`` clears the running sums
-        after reading them. :class:`horovod_twobit.tensorflow.TwoBitStatsCallback` puts them in
-        Keras' logs."""
+        """What this compressor did, as a plain dict (eager only), the PyTorch binding's keys
+        (:func:`horovod_twobit.state.stats.summarize`): bytes handed to the collectives, the
+        fraction sent, the threshold, NaN steps, and per bucket its exchange and residual norms.
+        ``reset=True`` clears the running sums after reading them."""
         return self.state.stats(reset, per_tensor)
 
     def state_dict(self):
