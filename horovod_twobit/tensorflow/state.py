@@ -10,13 +10,11 @@ fallback's link measurements and decisions, the stats slots and the checkpoint. 
 state, and the ``tf.Module`` that tracks the residuals for ``tf.train.Checkpoint``.
 """
 
-import warnings
-
 import numpy as np
 import tensorflow as tf
 
 from horovod_twobit import wire
-from horovod_twobit.state import checkpoint
+from horovod_twobit.state import checkpoint, options
 from horovod_twobit.state.fallback import decide, validate_fallback
 from horovod_twobit.tensorflow.residuals import Residuals, rank_size
 from horovod_twobit.tensorflow.stats import Slots, residual_norms
@@ -49,14 +47,7 @@ class TwoBitState:
 
     def args_repr(self):
         """The arguments that differ from the defaults, as a constructor call spells them."""
-        extra = wire.auto_args_repr(self.threshold, self.auto_rule, self.block, self.blocks)
-        if self.bucket_bytes != layout.DEFAULT_BUCKET_BYTES:
-            extra += ", bucket_bytes=%d" % self.bucket_bytes
-        if self.exchange != "allgather":
-            extra += ", exchange=%r" % self.exchange
-        if self.fallback:
-            extra += ", fallback=%r" % self.fallback
-        return "threshold=%r%s" % (self.threshold, extra)
+        return options.args_repr(self)
 
     def plain(self, layout, keys, process_set):
         """Whether the bucket of ``keys`` goes uncompressed with this process set (``fallback``):
@@ -85,11 +76,7 @@ class TwoBitState:
         number of ranks (their chunks move when either changes): on a change they restart from
         zero, with a warning. Called when an exchange is traced, so a function traced before
         keeps the variables it captured."""
-        if self.owner_of != (rank, size):
-            if self.owner_of is not None and len(self.owners):
-                warnings.warn("horovod-twobit: the ranks changed (this was rank %d of %d, now %d "
-                              "of %d): the scatter owners' residuals restart from zero; the "
-                              "workers' residuals are kept" % (*self.owner_of, rank, size))
+        if options.owners_move(self.owner_of, rank, size, len(self.owners)):
             self.owners.forget()
             self.owner_of = (rank, size)
         with tf.init_scope():

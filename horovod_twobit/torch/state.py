@@ -10,12 +10,11 @@ makes its first bucket: the state itself, like the codec, imports without Horovo
 """
 
 import threading
-import warnings
 
 import torch
 
 from horovod_twobit import wire
-from horovod_twobit.state import checkpoint
+from horovod_twobit.state import checkpoint, options
 from horovod_twobit.state.fallback import decide, validate_fallback
 from horovod_twobit.state.stats import StatsLog
 from horovod_twobit.torch.codec import stats as stats_read
@@ -66,15 +65,7 @@ class TwoBitState:
 
     def args_repr(self):
         """The arguments that differ from the defaults, as a constructor call spells them."""
-        extra = ", min_numel=%d" % self.min_numel if self.min_numel else ""
-        extra += wire.auto_args_repr(self.threshold, self.auto_rule, self.block, self.blocks)
-        if self.bucket_bytes != layout.DEFAULT_BUCKET_BYTES:
-            extra += ", bucket_bytes=%d" % self.bucket_bytes
-        if self.exchange != "allgather":
-            extra += ", exchange=%r" % self.exchange
-        if self.fallback:
-            extra += ", fallback=%r" % self.fallback
-        return "threshold=%r%s" % (self.threshold, extra)
+        return options.args_repr(self, self.min_numel)
 
     def compresses(self, tensor):
         """Whether ``tensor`` goes through the 2-bit exchange (floating point, at least
@@ -149,11 +140,7 @@ class TwoBitState:
         """This rank's residual as owner of a scatter chunk of bucket ``key`` (float32, ``numel``
         values). Owners' residuals belong to a rank and a number of ranks (their chunks move
         when either changes): on a change they restart from zero, with a warning."""
-        if self._owner_of != (rank, size):
-            if self._owner_of is not None and len(self.owners):
-                warnings.warn("horovod-twobit: the ranks changed (this was rank %d of %d, now %d "
-                              "of %d): the scatter owners' residuals restart from zero; the "
-                              "workers' residuals are kept" % (*self._owner_of, rank, size))
+        if options.owners_move(self._owner_of, rank, size, len(self.owners)):
             self.owners.reset()
             self._owner_of = (rank, size)
         return self.owners.get(key, torch.empty(numel, dtype=torch.float32, device=device))
