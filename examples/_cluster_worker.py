@@ -279,6 +279,10 @@ def ddp_setup(args, method):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                             start_powerSGD_iter=2)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif method in ("ddp_twobit", "ddp_twobit_auto"):  # this project's hook (torch/ddp.py)
+        from horovod_twobit.torch import ddp as twobit_ddp
+        threshold = "auto" if method.endswith("_auto") else args.threshold or THRESHOLDS[args.model]
+        twobit_ddp.register(model, twobit_ddp.TwoBitState(threshold))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     return [(method, net, model, batch, opt)], args.rank, args.world, dist.barrier
 

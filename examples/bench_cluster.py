@@ -60,7 +60,9 @@ HOROVOD_METHODS = {"none": "Horovod, no compression", "fp16": "Horovod, Compress
                    "twobit_fallback": 'Horovod, TwoBitCompressor(fallback="auto")',
                    "auto_fallback": 'Horovod, TwoBitCompressor("auto", fallback="auto")'}
 DDP_METHODS = {"ddp": "DDP, no hook", "ddp_fp16": "DDP, fp16_compress_hook",
-               "ddp_quant": "DDP, quantization_pertensor_hook*", "ddp_powersgd": "DDP, powerSGD_hook**"}
+               "ddp_quant": "DDP, quantization_pertensor_hook*", "ddp_powersgd": "DDP, powerSGD_hook**",
+               "ddp_twobit": "DDP, horovod_twobit's 2-bit hook",
+               "ddp_twobit_auto": 'DDP, horovod_twobit\'s 2-bit hook ("auto")'}
 ALL_METHODS = dict(HOROVOD_METHODS, **DDP_METHODS)
 DEFAULT_METHODS = "none,fp16,twobit,ddp_fp16,ddp_quant,ddp_powersgd"
 

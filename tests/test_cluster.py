@@ -296,19 +296,20 @@ def test_refuses_clearly_without_root_or_ip_netns(monkeypatch, capsys):
 
 def test_cluster_benchmark_reports_every_method(tmp_path):
     """examples/bench_cluster.py: the Horovod methods in one job taking turns, a DDP method in its
-    own; every method gets a row with its step time, CPU time and bytes, and TwoBit's bytes are
+    own (DDP's fp16 hook and this project's 2-bit hook); every method gets a row with its step time, CPU time and bytes, and TwoBit's bytes are
     the format's fraction of no compression's; a fallback's row holds its decision per bucket
     and the link it measured."""
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", "bench_cluster.py"), "--hosts", "2",
-         "--rates", "1gbit", "--models", "cnn", "--methods", "none,twobit,twobit_fallback,ddp_fp16",
+         "--rates", "1gbit", "--models", "cnn", "--methods",
+         "none,twobit,twobit_fallback,ddp_fp16,ddp_twobit",
          "--steps", "3", "--warmup", "1", "--iface", "hvdbench", "--subnet", "10.77.2.0/24",
          "--out", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["method"]: r for r in json.load(open(out / "bench_cluster.json"))["results"]}
-    assert sorted(rows) == ["ddp_fp16", "none", "twobit", "twobit_fallback"]
+    assert sorted(rows) == ["ddp_fp16", "ddp_twobit", "none", "twobit", "twobit_fallback"]
     from horovod_twobit.cluster import cpu
     q = os.cpu_count() * 0.8 / 2 if cpu.backends() else None  # the default emulation
     for r in rows.values():
@@ -333,6 +334,8 @@ def test_cluster_benchmark_reports_every_method(tmp_path):
     # 19.5 k gradients: 78 kB in fp32 against 4.9 kB in 2 bits, plus headers and control traffic
     assert rows["twobit"]["bytes_per_step"] < rows["none"]["bytes_per_step"] / 3
     assert rows["ddp_fp16"]["bytes_per_step"] < rows["none"]["bytes_per_step"]
+    # the DDP hook sends the 2-bit payloads too: within 10 % of Horovod's TwoBit bytes
+    assert rows["ddp_twobit"]["bytes_per_step"] < 1.1 * rows["twobit"]["bytes_per_step"]
     assert "| 1gbit | cnn (19.5k params) | Horovod, TwoBitCompressor (t=0.01) |" in \
         (out / "bench_cluster.md").read_text()
 
