@@ -12,6 +12,7 @@ only, find_unused_parameters=True), ``mismatch`` (the last rank uses another thr
 must raise, none hang).
 """
 
+import datetime
 import os
 import sys
 
@@ -114,6 +115,10 @@ except Exception as e:  # the mismatch mode: every rank must get here, with the 
     msg = msg[msg.find("PayloadMismatchError"):].split(" At:")[0][:400]  # the error DDP wrapped
     sys.stdout.flush()
     os.write(1, ("RAISED rank %d: %s\n" % (rank, msg)).encode())  # one write: whole lines
+    try:  # every rank says it raised before any exits (torchrun ends the others at a first exit)
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+    except Exception:
+        pass
     sys.exit(3)
 st = state.stats()
 rec["stats_nan_steps"] = np.int64(st["nonfinite_steps"])
