@@ -230,7 +230,7 @@ def test_validation_a_cpu_quota_slows_a_busy_host_by_its_fraction():
     machine is (1 s of CPU per s at 1 core, 0.25 at 0.25 cores); what other load can still change
     is the speed of the cores themselves (a VM's cores slow down when their neighbours work).
     So every attempt asserts the quota in a form the cores' speed cannot move, the wall time per
-    CPU second (1 at 1 core, 4 at 0.25 cores, +-10 %), and an attempt whose task took the same CPU
+    CPU second (at most 1.1 at 1 core, 4 +-10 % at 0.25 cores), and an attempt whose task took the same CPU
     time in both runs (within 5 %) also asserts the task's own wall-time ratio; one whose CPU time
     moved is repeated, up to four attempts, for that second check."""
     attempts = []
@@ -245,7 +245,6 @@ def test_validation_a_cpu_quota_slows_a_busy_host_by_its_fraction():
                             "ratio %.3f (load %.1f)" % (w1, c1, w4, c4, w4 / w1, os.getloadavg()[0]))
             # every host gets its quota, however busy the machine is and whatever its cores' speed
             assert w1 / c1 < 1.1 and 3.6 < w4 / c4 < 4.4, attempts
-            assert 3.6 < (w4 / c4) / (w1 / c1) < 4.4, attempts
             if 0.95 < c4 / c1 < 1.05:  # the cores ran at one speed: the task itself took 4x
                 assert 3.6 < w4 / w1 < 4.4, attempts
                 break
