@@ -15,7 +15,6 @@ from horovod_twobit.tensorflow.exchange import single as communicator
 from horovod_twobit.tensorflow.state import TwoBitState
 
 _local = threading.local()
-_FACES = set()  # the compressor classes over a TwoBitState: passed as a class, refused
 
 
 class _Unrouted:
@@ -28,17 +27,10 @@ class _Unrouted:
 UNROUTED = _Unrouted()
 
 
-def register_face(cls):
-    """Makes the router refuse ``compression=cls`` (the class, not an instance) with the fix."""
-    _FACES.add(cls)
-    return cls
-
-
 def state_of(compression):
     """The :class:`TwoBitState` behind a ``TwoBitCompressor`` instance, else None. (The router
     knows compressors by their state: the face imports the router, not the reverse.)"""
-    plain = getattr(compression, "__dict__", {}).get("_plain")
-    state = getattr(plain, "state", None)
+    state = getattr(compression, "state", None)
     return state if isinstance(state, TwoBitState) else None
 
 
@@ -71,7 +63,7 @@ def normalize(name):
 
 
 def check_compression(compression):
-    if compression in _FACES:
+    if isinstance(compression, type) and getattr(compression, "TWOBIT_FACE", False):
         raise TypeError("pass an instance, e.g. compression=TwoBitCompressor(0.5), not the class")
 
 

@@ -13,7 +13,6 @@ from horovod_twobit.tensorflow.residuals import _Plain
 from horovod_twobit.tensorflow.state import TwoBitState
 
 
-@checks.register_face
 class TwoBitCompressor(Compressor, tf.Module):
     """2-bit gradient compression with error feedback (MXNet's ``{'type': '2bit'}``), for
     ``horovod.tensorflow`` and ``horovod.tensorflow.keras``.
@@ -61,6 +60,8 @@ class TwoBitCompressor(Compressor, tf.Module):
     Everything else (residuals, caches, stats, checkpoints) is :attr:`state`'s, a
     :class:`~horovod_twobit.tensorflow.state.TwoBitState`; its attributes read through the face.
     """
+
+    TWOBIT_FACE = True  # the routers refuse the class itself (compression=TwoBitCompressor)
 
     def __init__(self, threshold=0.5, name=None, **options):
         tf.Module.__init__(self, name=name or "twobit_compressor")

@@ -137,7 +137,8 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='',
         if comp:
             op_name = name if name is not None else "HorovodTwoBitGroup_%s_%s" % (
                 checks.normalize(keys[comp[0]]), checks.normalize(keys[comp[-1]]))
-            res = _exchange(checks.state_of(compression), [tensors[i] for i in comp], [keys[i] for i in comp],
+            res = _exchange(checks.state_of(compression), [tensors[i] for i in comp],
+                            [keys[i] for i in comp],
                             op, prescale_factor, postscale_factor, process_set, op_name,
                             ignore_name_scope)
             for i, r in zip(comp, res):

@@ -14,7 +14,6 @@ from horovod_twobit.torch import router
 from horovod_twobit.torch.state import TwoBitState
 
 
-@router.register_face
 class TwoBitCompressor(Compressor):
     """2-bit gradient compression with error feedback (MXNet's ``{'type': '2bit'}``).
 
@@ -62,6 +61,8 @@ class TwoBitCompressor(Compressor):
     Everything else (residuals, buckets, stats, checkpoints) is :attr:`state`'s, a
     :class:`~horovod_twobit.torch.state.TwoBitState`; its attributes read through the face.
     """
+
+    TWOBIT_FACE = True  # the routers refuse the class itself (compression=TwoBitCompressor)
 
     def __init__(self, threshold=0.5, **options):
         self.state = TwoBitState(threshold, **options)

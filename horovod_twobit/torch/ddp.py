@@ -91,10 +91,8 @@ class _Bucket:
         self.state, self.names = state, list(names)
         self.layout = Layout(numels, state.threshold == "auto", state.block, state.blocks)
         self.key = scatter_wire.owner_key(self.names)
-        self.offsets = [0]
-        for n in numels:
-            self.offsets.append(self.offsets[-1] + n)
         self.r = self.g = None
+        self._g_views = None  # the members' slices of g (the codec's layout, padded per member)
         self._generation = None
         self.steps, self.step_norms = 0, None  # what the stats' norms reader looks at
         self.norms = stats_read.bucket_norms(self)
@@ -117,6 +115,7 @@ class _Bucket:
         if self.r is None or self.r.device != device:
             self.r = torch.zeros(lay.values, dtype=torch.float32, device=device)
             self.g = torch.zeros(lay.values, dtype=torch.float32, device=device)
+            self._g_views = [self.g[s:s + n] for s, n in zip(lay.starts, lay.numels)]
             self._generation = None
         bound = self.state._bound_to
         if self._generation != reg.generation or any(bound.get(n) is not self for n in self.names):
@@ -130,8 +129,7 @@ class _Bucket:
         """The bucket's gradients as the codec's flat float32 buffer (padded per member)."""
         if self.layout.single:
             return buffer.to(torch.float32, copy=True)
-        for s, (a, b) in zip(self.layout.starts, zip(self.offsets, self.offsets[1:])):
-            self.g[s:s + b - a].copy_(buffer[a:b])
+        torch._foreach_copy_(self._g_views, buffer.split(self.layout.numels))
         return self.g
 
     def result(self, flat, buffer):
@@ -139,8 +137,7 @@ class _Bucket:
         if self.layout.single:
             buffer.copy_(flat)
             return buffer
-        for s, (a, b) in zip(self.layout.starts, zip(self.offsets, self.offsets[1:])):
-            buffer[a:b].copy_(flat[s:s + b - a])
+        torch._foreach_copy_(list(buffer.split(self.layout.numels)), self._g_views)
         return buffer
 
 

@@ -26,7 +26,6 @@ _NAMES = ("allreduce", "allreduce_async_", "grouped_allreduce", "grouped_allredu
 _originals = {}
 _lock = threading.Lock()
 _MARK = "_horovod_twobit"
-_FACES = set()  # the compressor classes over a TwoBitState (register_face): passed as a class, refused
 
 
 class _Pending:
@@ -58,16 +57,10 @@ def unrouted(ctx):
     return isinstance(ctx, _Pending) and not ctx.routed
 
 
-def register_face(cls):
-    """Makes the router refuse ``compression=cls`` (the class, not an instance) with the fix."""
-    _FACES.add(cls)
-    return cls
-
-
 def _state_of(compression):
     """The :class:`TwoBitState` behind a ``TwoBitCompressor`` instance, else None. (The router
     knows compressors by their state: the face imports the router, not the reverse.)"""
-    state = getattr(compression, "__dict__", {}).get("state")
+    state = getattr(compression, "state", None)
     return state if isinstance(state, TwoBitState) else None
 
 
@@ -84,7 +77,7 @@ def _op(op, average):
 
 
 def _check_compression(compression):
-    if compression in _FACES:
+    if isinstance(compression, type) and getattr(compression, "TWOBIT_FACE", False):
         raise TypeError("pass an instance, e.g. compression=TwoBitCompressor(0.5), not the class")
 
 
