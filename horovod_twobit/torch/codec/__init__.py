@@ -6,7 +6,7 @@ import torch
 
 from horovod_twobit.wire import checks as wire_checks
 from horovod_twobit import wire
-from horovod_twobit.torch.codec import decode_kernels, kernels, levels
+from horovod_twobit.torch.codec import compiled, decode_kernels, kernels, levels
 
 
 def _check(grad, residual):
@@ -95,6 +95,7 @@ class _OnDevice:
         self.word_starts = ints([a for a, _ in offs])
         self.word_ends = ints([a + w for a, w in offs])
         self.headers = {}
+        self.triton = None  # the Triton kernels' tables, made on their first use
 
     def header(self, layout, threshold):
         h = self.headers.get(threshold)
@@ -128,7 +129,10 @@ def encode_payload(layout, r, g, threshold, rule, payload):
     """Writes the payload of one rank for flat residual ``r`` (float32) and gradient ``g`` (1-D,
     ``layout.values`` long) into ``payload`` (1-D int32, ``layout.payload_words``); nothing else
     is modified. Returns the (threshold, magnitude) the finish commits with: numbers, 0-d tensors
-    or one per word."""
+    or one per word. On CUDA the Triton kernels do it (:func:`compiled.triton_path`)."""
+    tk = compiled.triton_path(g.device)
+    if tk is not None:
+        return tk.encode_payload(layout, r, g, threshold, rule, payload, segment_levels)
     on = _on(layout, g.device)
     body = payload[layout.body:]
     mags = None
@@ -225,6 +229,11 @@ def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, 
     if it were not there. Returns the flat result, and whether some member held NaN or Inf."""
     headers, rows, bad = _rows(layout, gathered, nranks, names)
     dest = g if out is None else out
+    tk = compiled.triton_path(g.device)
+    if tk is not None:
+        bad = [any(b[i] for b in bad) for i in range(layout.members)]
+        tk.finish_payload(layout, gathered, nranks, bad, r, g, t, v, divisor, scale, out)
+        return dest, any(bad)
     on = _on(layout, g.device)
     words = [row[layout.body:] for row in rows]
     if layout.auto:

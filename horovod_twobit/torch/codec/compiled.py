@@ -102,3 +102,27 @@ def call(name, numel, *args):
     if compiles(numel):
         return run(name, *args)
     return BODIES[name](*args)
+
+
+# ----------------------------------------------------------------- the Triton kernels (CUDA)
+# HOROVOD_TWOBIT_TRITON: "1" (default) the Triton kernels (.triton_kernels) run the codec's passes
+# on CUDA tensors where Triton imports; "0" never (the compiled bodies above run there, as on a
+# CPU); "force" on every device (the suite runs them on CPU tensors under TRITON_INTERPRET=1).
+TRITON = os.environ.get("HOROVOD_TWOBIT_TRITON", "1")
+_triton = []
+
+
+def triton_path(device):
+    """The :mod:`.triton_kernels` module where it runs the passes for tensors on ``device``, else
+    None. Imported on first use only, so the codec needs no Triton where it never runs them."""
+    if TRITON == "0" or (device.type != "cuda" and TRITON != "force"):
+        return None
+    if not _triton:
+        try:
+            from horovod_twobit.torch.codec import triton_kernels
+        except ImportError as e:  # a torch built without Triton: the compiled bodies
+            warnings.warn("horovod-twobit: Triton does not import (%s); the codec runs its "
+                          "compiled torch ops on %s" % (e, device.type))
+            triton_kernels = None
+        _triton.append(triton_kernels)
+    return _triton[0]

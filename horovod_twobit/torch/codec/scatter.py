@@ -114,14 +114,29 @@ def owner_reduce(chunks, received, splits, names, owner, threshold, rule=None, r
     _, reduced = _headers(chunks, received.device, threshold)
     piece_words = _piece_words(chunks, received.device)
     nvalues = chunks.values(owner)
+    tk = compiled.triton_path(received.device)
+    if tk is not None:  # every sender's rows in one launch (splits are equal: checked above)
+        stride, skip = splits[0], sw.HEADER_WORDS + fw
     if not layout.auto:
-        return torch.cat([reduced[owner], pack_counts(_counts(rows, N, wc, scratch),
-                                                      chunks.bits)]), bad
-    mags = [received[b:b + nm].view(torch.float32) for b in body]
-    ts = [torch.repeat_interleave(m, piece_words[owner], output_size=wc) for m in mags]
+        if tk is not None and wc:
+            x = received.new_zeros(owner_codec.scratch_values(wc), dtype=torch.float32) \
+                if scratch is None else scratch
+            tk.decode_rows(received, N, stride, skip + nm, wc, x)
+            _as_counts(x[:16 * wc], N)
+            counts = x.view(torch.int32)  # zero past the chunk's words, as pack_counts pads
+        else:
+            counts = _counts(rows, N, wc, scratch)
+        return torch.cat([reduced[owner], pack_counts(counts, chunks.bits)]), bad
     x = residual.new_zeros(owner_codec.scratch_values(wc)) if scratch is None else scratch
-    S = (decode_kernels.decode_sum(rows, ts, nvalues, out=x[:16 * wc]) if wc
-         else residual.new_empty(0))
+    if tk is not None and wc:
+        S = tk.decode_rows(received, N, stride, skip + nm, wc, x[:16 * wc], skip,
+                           _piece_of_word(chunks, owner, received.device))[:nvalues]
+    elif wc:
+        mags = [received[b:b + nm].view(torch.float32) for b in body]
+        ts = [torch.repeat_interleave(m, piece_words[owner], output_size=wc) for m in mags]
+        S = decode_kernels.decode_sum(rows, ts, nvalues, out=x[:16 * wc])
+    else:
+        S = residual.new_empty(0)
     body = owner_codec.owner_encode(chunks.pieces[owner], wc, residual, S, bad, piece_words[owner],
                                     x=x)
     return torch.cat([reduced[owner], body]), bad
@@ -137,11 +152,26 @@ def _counts(rows, nranks, wc, scratch=None):
     if not wc:
         return rows[0].new_empty(0)
     out = None if scratch is None else scratch[:16 * wc]
-    counts = decode_kernels.decode_sum(rows, [1.0] * nranks, 16 * wc, out=out)
+    u = _as_counts(decode_kernels.decode_sum(rows, [1.0] * nranks, 16 * wc, out=out), nranks)
+    return u if scratch is None else scratch.view(torch.int32)
+
+
+def _as_counts(counts, nranks):
+    """The float32 sum of the ranks' signs + N as int32, converted where each value lies."""
     counts.add_(nranks)
     u = counts.view(torch.int32)
     u.copy_(counts)  # same places, same size: each value converted where it lies
-    return u if scratch is None else scratch.view(torch.int32)
+    return u
+
+
+def _piece_of_word(chunks, owner, device):
+    """For the Triton decode: the piece (its magnitude's index) of every word of chunk ``owner``
+    (int32)."""
+    def make():
+        words = _piece_words(chunks, device)[owner]
+        return torch.repeat_interleave(torch.arange(words.numel(), dtype=torch.int32,
+                                                    device=device), words)
+    return _cached(chunks, ("piece_of_word", device, owner), make)
 
 
 def _good_runs(layout, bad):

@@ -1,0 +1,489 @@
+"""The codec's passes as Triton kernels, for CUDA tensors: one launch per pass over a whole bucket,
+its members' offsets, thresholds and segments read from small device tables (made once per layout
+and device), no host synchronisation. :mod:`horovod_twobit.torch.codec` dispatches here on CUDA
+(:func:`horovod_twobit.torch.codec.triton_path`); the CPU keeps the Inductor / eager bodies.
+
+- :func:`encode_payload`, fixed threshold: one pass reads r and g, writes the packed words and
+  ORs the NaN/Inf flags (header word 1, each member's flag byte) into the payload with atomics,
+  only in words that held NaN or Inf.
+- :func:`encode_payload`, ``"auto"`` (rule ``lsq``): each segment (a member's block) is cut into
+  chunks of :data:`CHUNK` values, one program each. Pass 1 sums |r + g| per chunk (float64).
+  Pass 2 takes its segment's mean from those sums (in chunk order), counts and sums (float64)
+  |r + g| at or above every candidate threshold, and stores per value one byte: how many of the
+  candidates' float32-rounded thresholds |r + g| reaches, and its sign. Pass 3 reduces its
+  segment's counts and sums (in chunk order), chooses and rounds the levels as
+  :func:`horovod_twobit.reference.auto_levels` does, and packs the codes from the bytes (a value
+  is sent exactly when it reaches more candidates than the chosen one's index, since the rounded
+  candidates are sorted). r and g are read twice. Other rules take their levels from
+  :mod:`.levels`, then the fixed-threshold pass with one threshold per word.
+- :func:`finish_payload`: one pass commits this rank's error feedback (r <- (r + g) - q, MXNet's
+  float32 operations in :func:`.kernels.committed`'s order), sums every rank's decoded words in
+  rank order (each rank's threshold or magnitudes read from its own payload), divides correctly
+  rounded (``div_rn``), multiplies by the scale and writes over g or into ``out``; members that
+  held NaN or Inf on some rank get NaN and keep their residual.
+- :func:`decode_rows`: the scatter owner's sum of every sender's chunk, all ranks in one launch.
+
+Bits: no operation here has a result that depends on fusion or order but the float64 sums of
+the "auto" levels (float64 sums of float32 values, rounded to float32 once, as the reference; the
+order is fixed, so every run gives the same bits). Launches pass ``enable_fp_fusion=False``, so
+the GPU compiler contracts no multiply and add into an FMA (none of the passes has such a pair
+whose fused result could differ, but the guard costs nothing). The float32 division is
+``div_rn``; float64 divisions (the mean, the least-squares magnitude) lower to IEEE division.
+Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors with NumPy's arithmetic: the
+suite checks them there against the NumPy reference; ``scripts/gpu_check.sh`` on a GPU.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from horovod_twobit import wire
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# words per program of the elementwise passes, values per chunk of the "auto" levels, words per
+# tile inside a chunk; the interpreter costs ~5 ms a program, so it runs few, large ones
+BLOCK_WORDS = int(os.environ.get("HOROVOD_TWOBIT_TRITON_BLOCK_WORDS", 256 if INTERPRET else 64))
+CHUNK = int(os.environ.get("HOROVOD_TWOBIT_TRITON_CHUNK", 16384 if INTERPRET else 8192))
+TILE_WORDS = 32
+_KP = 16  # candidate slots (OPT_MULTIPLES padded to a power of two)
+_K = len(wire.OPT_MULTIPLES)
+assert _K <= _KP and CHUNK % (16 * TILE_WORDS) == 0 and BLOCK_WORDS & (BLOCK_WORDS - 1) == 0
+
+_FLAG_NONFINITE = tl.constexpr(wire.FLAG_NONFINITE)
+_BUCKET_HEADER_WORDS = tl.constexpr(wire.BUCKET_HEADER_WORDS)
+_FLT_MIN = tl.constexpr(float(torch.finfo(torch.float32).tiny))
+_CODE_POS = tl.constexpr(wire.CODE_POS)
+_CODE_NEG = tl.constexpr(wire.CODE_NEG)
+
+
+def _launch_options():
+    if INTERPRET:
+        return {}
+    return {"enable_fp_fusion": False, "num_warps": 4}
+
+
+# ----------------------------------------------------------------- device helpers
+
+@triton.jit
+def _shifts():
+    """wire.WORD_SHIFTS: value j of a word in bits 8 * (j // 4) + 6 - 2 * (j % 4)."""
+    j = tl.arange(0, 16)
+    return (j // 4) * 8 + 6 - 2 * (j % 4)
+
+
+@triton.jit
+def _pack(codes):
+    """int32 words of a (words, 16) tile of codes (disjoint bits: their int32 sum is their OR)."""
+    return tl.sum(codes << _shifts()[None, :], axis=1)
+
+
+@triton.jit
+def _flag_words(head_ptr, w, bad, mow_ptr, BUCKET: tl.constexpr):
+    """ORs the NaN/Inf flags of the words ``w`` where ``bad`` into the payload's header (word 1)
+    and, in a bucket, into each member's flags byte. No memory traffic where nothing is bad."""
+    tl.atomic_or(head_ptr + 1 + w * 0, _FLAG_NONFINITE, mask=bad)
+    if BUCKET:
+        mem = tl.load(mow_ptr + w, mask=bad, other=0)
+        tl.atomic_or(head_ptr + _BUCKET_HEADER_WORDS + mem // 4, 1 << ((mem % 4) * 8), mask=bad)
+
+
+@triton.jit
+def _rounded(y, mult_ptr, HAS_FACTOR: tl.constexpr):
+    """float32 of a float64 level (times the rule's factor first, a float64 kept after the
+    multiples), never below the smallest normal float32 (NaN stays NaN): :func:`.levels._rounded`."""
+    if HAS_FACTOR:
+        y = y * tl.load(mult_ptr + 15)
+    y = y.to(tl.float32)
+    return tl.where(y < _FLT_MIN, _FLT_MIN, y)
+
+
+@triton.jit
+def _segment_mean(part_ptr, first, count, nseg):
+    """The float64 mean of |r + g| over a segment: its chunks' sums, in chunk order, / its
+    length."""
+    s = tl.load(part_ptr + first)
+    for j in range(1, count):
+        s += tl.load(part_ptr + first + j)
+    return s / nseg
+
+
+# ----------------------------------------------------------------- kernels
+
+@triton.jit
+def _encode_kernel(r_ptr, g_ptr, words_ptr, head_ptr, t_ptr, mow_ptr, n, nwords,
+                   PER_WORD: tl.constexpr, BUCKET: tl.constexpr, BW: tl.constexpr):
+    """Packed words of ternary(r + g) for BW words, and their NaN/Inf flags."""
+    w = tl.program_id(0).to(tl.int64) * BW + tl.arange(0, BW)
+    idx = w[:, None] * 16 + tl.arange(0, 16)[None, :]
+    m = idx < n
+    x = tl.load(r_ptr + idx, mask=m, other=0.0) + tl.load(g_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    wm = w < nwords
+    if PER_WORD:
+        t = tl.load(t_ptr + w, mask=wm, other=1.0)[:, None]
+    else:
+        t = tl.load(t_ptr)
+    codes = tl.where(x >= t, _CODE_POS, tl.where(x <= -t, _CODE_NEG, 0))
+    tl.store(words_ptr + w, _pack(codes), mask=wm)
+    bad = (tl.max(((x - x) != 0).to(tl.int32), axis=1) > 0) & wm
+    _flag_words(head_ptr, w, bad, mow_ptr, BUCKET)
+
+
+@triton.jit
+def _abs_sums_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, CH: tl.constexpr, TW: tl.constexpr):
+    """Pass 1 of "auto": the float64 sum of |r + g| over each chunk."""
+    c = tl.program_id(0)
+    start = tl.load(ch_ptr + c * 5)
+    length = tl.load(ch_ptr + c * 5 + 1)
+    acc = tl.zeros([TW, 16], dtype=tl.float64)
+    for off in range(0, CH, 16 * TW):
+        i = off + tl.arange(0, TW)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        m = i < length
+        x = tl.load(r_ptr + start + i, mask=m, other=0.0) + \
+            tl.load(g_ptr + start + i, mask=m, other=0.0).to(tl.float32)
+        acc += tl.abs(x).to(tl.float64)
+    tl.store(part_ptr + c, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _candidates(ch_ptr, part_ptr, mult_ptr, c):
+    """(first chunk, chunk count, segment length, candidate thresholds as float64 [16]) of chunk
+    ``c``'s segment: OPT_MULTIPLES times the segment's mean."""
+    first = tl.load(ch_ptr + c * 5 + 2)
+    count = tl.load(ch_ptr + c * 5 + 3)
+    nseg = tl.load(ch_ptr + c * 5 + 4)
+    mean = _segment_mean(part_ptr, first, count, nseg.to(tl.float64))
+    return first, count, nseg, mean * tl.load(mult_ptr + tl.arange(0, 16))
+
+
+@triton.jit
+def _counts_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr,
+                   stash_ptr, head_ptr, mow_ptr, K: tl.constexpr, HAS_FACTOR: tl.constexpr,
+                   BUCKET: tl.constexpr, CH: tl.constexpr, TW: tl.constexpr):
+    """Pass 2 of "auto": per chunk, the count and float64 sum of |r + g| at or above each
+    candidate, one byte per value (how many rounded candidates |r + g| reaches, plus 16 where
+    r + g > 0), and the words' NaN/Inf flags."""
+    c = tl.program_id(0)
+    start = tl.load(ch_ptr + c * 5)
+    length = tl.load(ch_ptr + c * 5 + 1)
+    _, _, _, ts = _candidates(ch_ptr, part_ptr, mult_ptr, c)
+    t32 = _rounded(ts, mult_ptr, HAS_FACTOR)
+    k = tl.arange(0, 16)
+    cnt = tl.zeros([16], dtype=tl.int64)
+    tot = tl.zeros([16], dtype=tl.float64)
+    for off in range(0, CH, 16 * TW):
+        i = off + tl.arange(0, TW)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        m = i < length
+        x = tl.load(r_ptr + start + i, mask=m, other=0.0) + \
+            tl.load(g_ptr + start + i, mask=m, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        a = ax.to(tl.float64)
+        reached = tl.zeros([TW, 16], dtype=tl.int32)
+        for j in tl.static_range(K):
+            tj = tl.sum(tl.where(k == j, ts, 0.0))
+            hit = (a >= tj) & m
+            cnt += tl.where(k == j, tl.sum(tl.sum(hit.to(tl.int64), axis=1), axis=0), 0)
+            tot += tl.where(k == j, tl.sum(tl.sum(tl.where(hit, a, 0.0), axis=1), axis=0), 0.0)
+            reached += (ax >= tl.sum(tl.where(k == j, t32, 0.0))).to(tl.int32)
+        byte = tl.where(m, reached + tl.where(x > 0, 16, 0), 0)
+        tl.store(stash_ptr + start + i, byte.to(tl.uint8), mask=m)
+        w = (start + off) // 16 + tl.arange(0, TW)
+        bad = (tl.max(((x - x) != 0).to(tl.int32), axis=1) > 0)
+        _flag_words(head_ptr, w, bad, mow_ptr, BUCKET)
+    tl.store(cnt_ptr + c * 16 + k, cnt)
+    tl.store(tot_ptr + c * 16 + k, tot)
+
+
+@triton.jit
+def _auto_pack_kernel(ch_ptr, seg_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr, stash_ptr,
+                      words_ptr, head_ptr, mag_off, tw_ptr, vw_ptr, ts_ptr, vs_ptr,
+                      K: tl.constexpr, HAS_FACTOR: tl.constexpr, CH: tl.constexpr,
+                      TW: tl.constexpr):
+    """Pass 3 of "auto": per chunk, its segment's levels (the lsq choice from every chunk's counts
+    and sums, in chunk order) and the packed words from pass 2's bytes. The segment's first chunk
+    writes the magnitude into the payload and the levels of the segment."""
+    c = tl.program_id(0)
+    start = tl.load(ch_ptr + c * 5)
+    length = tl.load(ch_ptr + c * 5 + 1)
+    first, count, nseg, ts = _candidates(ch_ptr, part_ptr, mult_ptr, c)
+    k = tl.arange(0, 16)
+    cnt = tl.load(cnt_ptr + first * 16 + k)
+    tot = tl.load(tot_ptr + first * 16 + k)
+    for j in range(1, count):
+        cnt += tl.load(cnt_ptr + (first + j) * 16 + k)
+        tot += tl.load(tot_ptr + (first + j) * 16 + k)
+    has = cnt > 0
+    cf = tl.where(has, cnt, 1).to(tl.float64)
+    score = tl.where(has, tot * tot / cf, 0.0)
+    score = tl.where(k < K, score, -1.0)
+    best = tl.argmax(score, 0, tie_break_left=True)
+    sel = k == best
+    t64 = tl.sum(tl.where(sel, ts, 0.0))
+    cb = tl.sum(tl.where(sel, cnt, 0))
+    tb = tl.sum(tl.where(sel, tot, 0.0))
+    v64 = tl.where(cb > 0, tb / tl.where(cb > 0, cb, 1).to(tl.float64), t64)
+    t32 = tl.where(nseg > 0, _rounded(t64, mult_ptr, HAS_FACTOR), 1.0)  # no values: 1.0
+    v32 = tl.where(nseg > 0, _rounded(v64, mult_ptr, HAS_FACTOR), 1.0)
+    seg = tl.load(seg_ptr + c)
+    if c == first:
+        tl.store(head_ptr + mag_off + seg, v32.to(tl.int32, bitcast=True))
+        tl.store(ts_ptr + seg, t32)
+        tl.store(vs_ptr + seg, v32)
+    nw = (length + 15) // 16
+    for off in range(0, CH // 16, TW):
+        wl = off + tl.arange(0, TW)
+        i = wl[:, None] * 16 + tl.arange(0, 16)[None, :]
+        m = i < length
+        byte = tl.load(stash_ptr + start + i, mask=m, other=0).to(tl.int32)
+        codes = tl.where((byte & 15) > best, tl.where(byte >= 16, _CODE_POS, _CODE_NEG), 0)
+        w = start // 16 + wl
+        wm = wl < nw
+        tl.store(words_ptr + w, _pack(codes), mask=wm)
+        tl.store(tw_ptr + w, t32 + tl.zeros([TW], dtype=tl.float32), mask=wm)
+        tl.store(vw_ptr + w, v32 + tl.zeros([TW], dtype=tl.float32), mask=wm)
+
+
+@triton.jit
+def _decode_kernel(rows_ptr, nranks, row_stride, body_off, lvl_off, lvl_idx_ptr, nvalues, nwords,
+                   r_ptr, g_ptr, t_ptr, v_ptr, div_ptr, scale_ptr, dest_ptr,
+                   mow_ptr, bad_ptr, mend_ptr,
+                   LEVELS: tl.constexpr, COMMIT: tl.constexpr, OWN_PER_WORD: tl.constexpr,
+                   DIVIDE: tl.constexpr, CHECK_BAD: tl.constexpr, BW: tl.constexpr):
+    """The decode-sum of ``nranks`` payload rows (row i's word w at rows[i * row_stride +
+    body_off + w]) in rank order, each rank's level from its own row: LEVELS 0, the float32 at
+    word ``lvl_off`` (a threshold); 1, at word ``lvl_off + lvl_idx[w]`` (a segment's or piece's
+    magnitude); 2, 1.0 (counts). Then / divisor (correctly rounded) * scale where DIVIDE, into
+    ``dest`` (its dtype). With COMMIT, first r <- (r + g) - q with this rank's (t, v). With
+    CHECK_BAD, members flagged in ``bad`` get NaN over their values (their padding is left) and
+    keep their residual."""
+    w = tl.program_id(0).to(tl.int64) * BW + tl.arange(0, BW)
+    wm = w < nwords
+    idx = w[:, None] * 16 + tl.arange(0, 16)[None, :]
+    m = idx < nvalues
+    sh = _shifts()[None, :]
+    if LEVELS == 1:
+        li = tl.load(lvl_idx_ptr + w, mask=wm, other=0)
+    acc = tl.zeros([BW, 16], dtype=tl.float32)
+    for i in range(0, nranks):
+        base = rows_ptr + i * row_stride
+        word = tl.load(base + body_off + w, mask=wm, other=0)
+        if LEVELS == 0:
+            lv = tl.load(base + lvl_off).to(tl.float32, bitcast=True)
+        elif LEVELS == 1:
+            lv = tl.load(base + lvl_off + li, mask=wm, other=0).to(tl.float32, bitcast=True)[:, None]
+        else:
+            lv = 1.0
+        c = (word[:, None] >> sh) & 3
+        val = tl.where(c == _CODE_POS, lv, tl.where(c == _CODE_NEG, -lv, 0.0))
+        acc = tl.where(i == 0, val, acc + val)  # rank 0's value itself (keeps a -0.0), then +
+    if DIVIDE:
+        acc = tl.math.div_rn(acc, tl.load(div_ptr)) * tl.load(scale_ptr)
+    keep = m
+    if CHECK_BAD:
+        mem = tl.load(mow_ptr + w, mask=wm, other=0)
+        bad = tl.load(bad_ptr + mem, mask=wm, other=0) != 0
+        real = idx < tl.load(mend_ptr + mem, mask=wm, other=0)[:, None]
+        keep = m & ~bad[:, None]
+        acc = tl.where(bad[:, None], float("nan"), acc)
+    if COMMIT:
+        x = tl.load(r_ptr + idx, mask=keep, other=0.0) + \
+            tl.load(g_ptr + idx, mask=keep, other=0.0).to(tl.float32)
+        if OWN_PER_WORD:
+            t = tl.load(t_ptr + w, mask=wm, other=1.0)[:, None]
+            v = tl.load(v_ptr + w, mask=wm, other=1.0)[:, None]
+        else:
+            t = tl.load(t_ptr)
+            v = tl.load(v_ptr)
+        r_new = tl.where(x >= t, x - v, tl.where(x <= -t, x + v, x))
+        tl.store(r_ptr + idx, r_new, mask=keep)
+    if CHECK_BAD:
+        tl.store(dest_ptr + idx, acc.to(dest_ptr.dtype.element_ty), mask=keep | (m & real))
+    else:
+        tl.store(dest_ptr + idx, acc.to(dest_ptr.dtype.element_ty), mask=m)
+
+
+# ----------------------------------------------------------------- tables (once per layout, device)
+
+class _Tables:
+    """A layout's device tables for these kernels."""
+
+    def __init__(self, layout, device):
+        def ints(values, dtype=torch.int32):
+            return torch.tensor(values, dtype=dtype, device=device)
+        mow, mend = [], []
+        for i, (s, n, w) in enumerate(zip(layout.starts, layout.numels, layout.member_words)):
+            mow += [i] * w
+            mend.append(s + n)
+        self.member_of_word = ints(mow or [0])
+        self.member_end = ints(mend, torch.int64)
+        head = layout.header(1.0 if layout.auto else 0.5)
+        self.heads = {}
+        self.head_pad = [0] * (layout.head_words - len(head))
+        if layout.auto:
+            sow, rows, seg = [], [], []
+            for k, (s, n, w) in enumerate(zip(layout.seg_starts, layout.seg_lengths, layout.seg_words)):
+                sow += [k] * w
+                first = len(rows)
+                pieces = [(a, min(CHUNK, n - a)) for a in range(0, n, CHUNK)] or [(0, 0)]
+                for a, length in pieces:
+                    rows.append([s + a, length, first, len(pieces), n])
+                    seg.append(k)
+            self.seg_of_word = ints(sow or [0])
+            self.chunks = ints(rows, torch.int64)
+            self.chunk_seg = ints(seg)
+            self.nchunks = len(rows)
+            self.mults = {}
+            self.mag_off = layout.head_words if layout.mag_words else 4
+
+    def head(self, layout, threshold, device):
+        """The payload's header words with every flag clear (an int32 tensor)."""
+        if threshold not in self.heads:
+            self.heads[threshold] = torch.tensor(layout.header(threshold) + self.head_pad,
+                                                 dtype=torch.int32, device=device)
+        return self.heads[threshold]
+
+
+def tables(layout, device):
+    """The layout's :class:`_Tables` on ``device``, kept with the codec's other tables of it."""
+    from horovod_twobit.torch.codec import _on
+    on = _on(layout, device)
+    if on.triton is None:
+        on.triton = _Tables(layout, device)
+    return on.triton
+
+
+def _mult(tab, k):
+    """OPT_MULTIPLES as float64, padded to 16, the rule's factor ``k`` (or 1) in the last slot."""
+    m = tab.mults.get(k)
+    if m is None:
+        vals = list(wire.OPT_MULTIPLES) + [0.0] * (_KP - _K - 1) + [float(k) if k else 1.0]
+        m = tab.mults[k] = torch.tensor(vals, dtype=torch.float64, device=tab.member_end.device)
+    return m
+
+
+def _f32(x, device):
+    if isinstance(x, torch.Tensor):
+        return x if x.dtype == torch.float32 else x.to(torch.float32)
+    return torch.tensor(float(x), dtype=torch.float32, device=device)
+
+
+def _grid(nwords, bw=None):
+    return (max(1, triton.cdiv(nwords, bw or BLOCK_WORDS)),)
+
+
+# ----------------------------------------------------------------- the codec's entry points
+
+def pack(r, g, threshold, words, head, member_of_word=None):
+    """Packs ternary(r + g) into ``words`` (int32, ceil(n / 16)) and ORs the NaN/Inf flags into
+    ``head`` (the payload; with ``member_of_word``, its members' flag bytes too). ``threshold``:
+    a number, a 0-d tensor, or one per word."""
+    n = g.numel()
+    nwords = wire.num_words(n)
+    if not nwords:
+        return
+    t = _f32(threshold, g.device)
+    per_word = t.dim() > 0
+    _encode_kernel[_grid(nwords)](
+        r, g, words, head, t, member_of_word if member_of_word is not None else words, n, nwords,
+        PER_WORD=per_word, BUCKET=member_of_word is not None, BW=BLOCK_WORDS, **_launch_options())
+
+
+def encode_payload(layout, r, g, threshold, rule, payload, segment_levels):
+    """:func:`horovod_twobit.torch.codec.encode_payload` in Triton kernels: the same payload
+    bits, the same (threshold, magnitude) returned. ``segment_levels`` gives an "auto" layout's
+    levels for the rules other than ``lsq``."""
+    dev = g.device
+    tab = tables(layout, dev)
+    head = tab.head(layout, "auto" if layout.auto else threshold, dev)
+    payload[:head.numel()].copy_(head)
+    mow = None if layout.single else tab.member_of_word
+    body = payload[layout.body:]
+    if not layout.auto:
+        pack(r, g, threshold, body, payload, mow)
+        return threshold, threshold
+    base, k = wire.parse_rule(rule)
+    if base != "lsq":
+        ts, mags = segment_levels(layout, r, g, rule)
+        t, v = _per_word(layout, tab, ts), _per_word(layout, tab, mags)
+        pack(r, g, t, body, payload, mow)
+        if layout.mag_words:
+            payload[layout.head_words:layout.body].copy_(mags.view(torch.int32))
+        else:
+            payload[4:5].copy_(mags.view(torch.int32))
+        return t, v
+    nc, words = tab.nchunks, layout.words
+    part = torch.empty(nc, dtype=torch.float64, device=dev)
+    cnt = torch.empty((nc, _KP), dtype=torch.int64, device=dev)
+    tot = torch.empty((nc, _KP), dtype=torch.float64, device=dev)
+    stash = torch.empty(max(1, 16 * words), dtype=torch.uint8, device=dev)
+    tw = torch.empty(max(1, words), dtype=torch.float32, device=dev)
+    vw = torch.empty_like(tw)
+    ts = torch.empty(layout.segments, dtype=torch.float32, device=dev)
+    vs = torch.empty_like(ts)
+    opts = _launch_options()
+    common = dict(CH=CHUNK, TW=TILE_WORDS, **opts)
+    _abs_sums_kernel[(nc,)](r, g, tab.chunks, part, **common)
+    _counts_kernel[(nc,)](r, g, tab.chunks, part, _mult(tab, k), cnt, tot, stash, payload,
+                          mow if mow is not None else tab.chunks, K=_K, HAS_FACTOR=bool(k),
+                          BUCKET=mow is not None, **common)
+    _auto_pack_kernel[(nc,)](tab.chunks, tab.chunk_seg, part, _mult(tab, k), cnt, tot, stash,
+                             body, payload, tab.mag_off, tw, vw, ts, vs, K=_K,
+                             HAS_FACTOR=bool(k), **common)
+    if layout.segments == 1:
+        return ts[0], vs[0]
+    return tw[:words], vw[:words]
+
+
+def _per_word(layout, tab, seg):
+    if layout.segments == 1:
+        return seg[0]
+    return seg.index_select(0, tab.seg_of_word[:layout.words])
+
+
+def finish_payload(layout, gathered, nranks, bad, r, g, t, v, divisor, scale, out=None):
+    """:func:`horovod_twobit.torch.codec.finish_payload`'s pass after the payloads are checked
+    (``bad``: each member's NaN/Inf flag over every rank, as the host parsed them): one launch."""
+    dev = g.device
+    tab = tables(layout, dev)
+    dest = g if out is None else out
+    n, nwords = layout.values, layout.words
+    if not nwords:
+        return dest
+    if not layout.auto:
+        levels, lvl_off, lvl_idx = 0, 4, tab.member_of_word
+    elif layout.mag_words:
+        levels, lvl_off, lvl_idx = 1, layout.head_words, tab.seg_of_word
+    else:
+        levels, lvl_off, lvl_idx = 0, 4, tab.member_of_word
+    t = _f32(t, dev)
+    v = t if v is None else _f32(v, dev)
+    if t.dim() != v.dim():  # one per word and one 0-d: both per word
+        t, v = (x.expand(nwords).contiguous() if not x.dim() else x for x in (t, v))
+    check = any(bad)
+    flags = torch.tensor([int(b) for b in bad], dtype=torch.int32, device=dev) if check \
+        else tab.member_end
+    _decode_kernel[_grid(nwords)](
+        gathered, nranks, layout.payload_words, layout.body, lvl_off, lvl_idx, n, nwords,
+        r, g, t, v, _f32(divisor, dev), _f32(scale, dev), dest,
+        tab.member_of_word, flags, tab.member_end,
+        LEVELS=levels, COMMIT=True, OWN_PER_WORD=t.dim() > 0 or v.dim() > 0, DIVIDE=True,
+        CHECK_BAD=check, BW=BLOCK_WORDS, **_launch_options())
+    return dest
+
+
+def decode_rows(received, nranks, row_stride, body_off, nwords, out, lvl_off=None, lvl_idx=None):
+    """The scatter owner's decode-sum, every sender's chunk in one launch: sender i's ``nwords``
+    words at ``received[i * row_stride + body_off:]``, decoded with 1.0 per code (counts;
+    ``lvl_off`` None) or with each word's piece magnitude at ``received[i * row_stride + lvl_off
+    + lvl_idx[w]]``, summed in rank order into ``out`` (float32, 16 * nwords values)."""
+    if not nwords:
+        return out
+    dummy = out
+    _decode_kernel[_grid(nwords)](
+        received, nranks, row_stride, body_off, 0 if lvl_off is None else lvl_off,
+        received if lvl_idx is None else lvl_idx, 16 * nwords, nwords,
+        dummy, dummy, dummy, dummy, dummy, dummy, out, received, received, received,
+        LEVELS=2 if lvl_off is None else 1, COMMIT=False, OWN_PER_WORD=False, DIVIDE=False,
+        CHECK_BAD=False, BW=BLOCK_WORDS, **_launch_options())
+    return out
