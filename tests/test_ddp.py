@@ -1,11 +1,14 @@
 """The DDP hook (horovod_twobit.torch.ddp) in real torchrun jobs: every step's result on every
-rank, and every rank's residuals after it, equal the NumPy reference workers' replay of the
-gradients the ranks saw, bit for bit; DDP's buckets rebuilt after the first iteration keep each
-parameter's residual; a NaN on one rank makes that parameter NaN on every rank, its residual
-unchanged, and the steps after it are finite again. With no_sync() and unused parameters
-(2 ranks), gradient_as_bucket_view and static_graph (3 ranks); ranks with different thresholds
-all raise the same error, and none hangs."""
+rank, and every rank's residuals (and scatter owners' residuals) after it, equal the NumPy
+reference workers' replay of the gradients the ranks saw, bit for bit; DDP's buckets rebuilt after
+the first iteration keep each parameter's residual; a NaN on one rank makes that parameter NaN on
+every rank, its residual unchanged, and the steps after it are finite again. With no_sync() and
+unused parameters (2 ranks); the scatter exchange (2 ranks); gradient_as_bucket_view,
+static_graph and the "auto" exchange (3 ranks: both exchanges); with min_numel (parameters under
+it summed uncompressed) in the last two; the stats after the last step; ranks with different
+thresholds all raise the same error, and none hangs, with either exchange."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +16,10 @@ import sys
 import numpy as np
 import pytest
 
-from horovod_twobit import reference as ref
+from horovod_twobit import reference as ref, wire
+from horovod_twobit.state import stats
+from horovod_twobit.wire import scatter as scatter_wire
+from horovod_twobit.wire.layout import Layout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, NAN_STEP, FAULTY = 6, 3, "body.2.bias"
@@ -27,15 +33,36 @@ def _run(tmp_path, nranks, threshold, modes):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+def _options(modes):
+    """(exchange, min_numel) of a job's modes (as tests/workers/ddp_train.py reads them)."""
+    modes = modes.split(",")
+    exchange = "scatter" if "scatter" in modes else "auto" if "xauto" in modes else "allgather"
+    return exchange, int(dict(m.split("=") for m in modes if "=" in m).get("min", 0))
+
+
+def _layout(numels, threshold):
+    return Layout(numels, threshold == "auto", *wire.validate_blocks(threshold, None, None))
+
+
+def _plain(local, nranks):
+    """What the hook gives a parameter under min_numel: the sum over the ranks, / N."""
+    total = np.zeros_like(local[0])
+    for x in local:
+        total += x
+    return total / np.float32(nranks)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nranks,threshold,modes", [(2, 0.05, "nosync,unused"),
-                                                    (3, "auto", "view,static")])
+@pytest.mark.parametrize("nranks,threshold,modes", [
+    (2, 0.05, "nosync,unused"), (2, 0.05, "scatter,min=10,nosync"),
+    (3, "auto", "view,static,xauto,min=10")])
 def test_ddp_hook_matches_the_reference(tmp_path, nranks, threshold, modes):
     out = _run(tmp_path, nranks, threshold, modes)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ranks = [dict(np.load(os.path.join(tmp_path, "rank%d.npz" % r))) for r in range(nranks)]
-    w = ref.Workers(nranks, threshold)
-    seen_layouts = set()
+    exchange, min_numel = _options(modes)
+    w = ref.Workers(nranks, threshold, exchange=exchange)
+    seen_layouts, exchanges = set(), set()
     for step in range(STEPS):
         nb = int(ranks[0]["buckets/%d" % step])
         assert all(int(r["buckets/%d" % step]) == nb for r in ranks)
@@ -44,33 +71,83 @@ def test_ddp_hook_matches_the_reference(tmp_path, nranks, threshold, modes):
         assert sorted(n for g in groups for n in g) == sorted(
             k[len("w/"):] for k in ranks[0] if k.startswith("w/"))
         for g in groups:
-            local = [[r["local/%d/%s" % (step, n)] for n in g] for r in ranks]
-            want = w.bucket(g, local)
-            for n, x in zip(g, want):
+            local = {n: [r["local/%d/%s" % (step, n)] for r in ranks] for n in g}
+            packed = [n for n in g if local[n][0].size >= min_numel]
+            want = dict(zip(packed, w.bucket(packed, [[local[n][q] for n in packed]
+                                                      for q in range(nranks)]) if packed else []))
+            if packed:
+                layout = _layout([local[n][0].size for n in packed], threshold)
+                exchanges.add(scatter_wire.choose(exchange, layout, nranks))
+            for n in g:
+                got = [r["agg/%d/%s" % (step, n)] for r in ranks]
+                if n not in want:  # summed uncompressed: no residual
+                    for rank, r in enumerate(ranks):
+                        np.testing.assert_array_equal(got[rank], got[0])
+                        assert "res/%d/%s" % (step, n) not in r
+                    if nranks == 2:  # (3 ranks: the collective's own order of additions)
+                        np.testing.assert_array_equal(got[0], _plain(local[n], nranks))
+                    scale = float(np.abs(np.stack(local[n])).sum(axis=0).max())
+                    np.testing.assert_allclose(got[0], _plain(local[n], nranks), rtol=0,
+                                               atol=1e-6 * scale)  # a rounding or two apart
+                    continue
                 for rank, r in enumerate(ranks):
-                    np.testing.assert_array_equal(r["agg/%d/%s" % (step, n)], x,
+                    np.testing.assert_array_equal(got[rank], want[n],
                                                   err_msg="step %d %s rank %d" % (step, n, rank))
                     np.testing.assert_array_equal(r["res/%d/%s" % (step, n)],
                                                   w.residuals[rank][n].reshape(-1))
-                assert np.isnan(x).all() == (step == NAN_STEP and n == FAULTY), (step, n)
+                assert np.isnan(want[n]).all() == (step == NAN_STEP and n == FAULTY), (step, n)
+        for rank, r in enumerate(ranks):  # the scatter owners' residuals ("auto" only)
+            own = {k[len("own/%d/" % step):]: x for k, x in r.items()
+                   if k.startswith("own/%d/" % step)}
+            assert sorted(own) == sorted(w.owner_residuals[rank])
+            for k, x in own.items():
+                np.testing.assert_array_equal(x, w.owner_residuals[rank][k])
     if "unused" not in modes:  # (DDP keeps its first buckets when it looks for unused ones)
         assert len(seen_layouts) > 1  # DDP rebuilt its buckets: the residuals followed the names
+    assert exchanges == ({"allgather", "scatter"} if exchange == "auto" else {exchange})
     for k in ranks[0]:
         if k.startswith("w/"):
             assert np.isfinite(ranks[0][k]).all()
             for r in ranks[1:]:
                 np.testing.assert_array_equal(r[k], ranks[0][k])
-    for r in ranks:
+    for rank, r in enumerate(ranks):
         assert int(r["stats_nan_steps"]) == 1 and int(r["stats_bytes"]) > 0
+        _check_stats(json.loads(str(r["stats"])), groups, ranks[0], min_numel, threshold,
+                     exchange, nranks, rank)
     if "unused" in modes:  # the layer used on even steps only: its gradient was zero on odd ones
         for step in range(1, STEPS, 2):
             assert not ranks[0]["local/%d/extra.weight" % step].any()
         assert ranks[0]["local/0/extra.weight"].any()
 
 
+def _check_stats(st, groups, rec, min_numel, threshold, exchange, nranks, rank):
+    """The hook's stats after the last step: TwoBitCompressor.stats()'s fields, one entry per
+    bucket with its exchange and the bytes this rank handed to the collectives."""
+    from horovod_twobit.torch import TwoBitCompressor
+    assert set(st) == set(TwoBitCompressor(threshold).stats()), sorted(st)
+    total, last, keys = dict.fromkeys(stats.EXCHANGES, 0), STEPS - 1, set()
+    for g in groups:
+        packed = [n for n in g if rec["local/%d/%s" % (last, n)].size >= min_numel]
+        if not packed:
+            continue
+        layout = _layout([rec["local/%d/%s" % (last, n)].size for n in packed], threshold)
+        ex = scatter_wire.choose(exchange, layout, nranks)
+        keys.add(scatter_wire.owner_key(packed))
+        entry = st["buckets"][scatter_wire.owner_key(packed)]
+        assert set(entry) == set(stats.bucket_entry([], "", 1, 0, 0, 0.0, 0, 0.0, 0.0))
+        assert entry["exchange"] == ex and entry["tensors"] == packed
+        assert entry["bytes_last_step"] == scatter_wire.rank_bytes(layout, nranks, rank, ex)
+        assert 0 <= entry["fraction_sent"] < 1 and entry["residual_l2"] > 0
+        total[ex] += entry["bytes_last_step"]
+    assert set(st["buckets"]) == keys  # the buckets in use (not those before DDP rebuilt them)
+    assert st["bytes_last_step"] == total and st["nonfinite_steps"] == 1
+    assert 0 < st["fraction_sent"] < 1 and st["threshold"] > 0
+
+
 @pytest.mark.slow
-def test_ddp_mismatched_thresholds_raise_on_every_rank(tmp_path):
-    out = _run(tmp_path, 2, 0.05, "mismatch")
+@pytest.mark.parametrize("modes", ["mismatch", "mismatch,scatter"])
+def test_ddp_mismatched_thresholds_raise_on_every_rank(tmp_path, modes):
+    out = _run(tmp_path, 2, 0.05, modes)
     raised = sorted(line.split(": ", 1)[1] for line in out.stdout.splitlines()
                     if line.startswith("RAISED rank"))
     assert out.returncode != 0 and len(raised) == 2, out.stdout[-3000:] + out.stderr[-3000:]
@@ -79,9 +156,10 @@ def test_ddp_mismatched_thresholds_raise_on_every_rank(tmp_path):
 
 def test_ddp_state_refuses_what_it_cannot_do():
     from horovod_twobit.torch import ddp
-    for kw, word in (({"exchange": "scatter"}, "allgather only"), ({"fallback": "auto"}, "no fallback"),
-                     ({"min_numel": 100}, "every parameter")):
-        with pytest.raises(ValueError, match=word):
+    with pytest.raises(ValueError, match="no fallback.*fallback=None"):
+        ddp.TwoBitState(0.5, fallback="auto")
+    for kw in ({"exchange": "both"}, {"min_numel": -1}):
+        with pytest.raises(ValueError):
             ddp.TwoBitState(0.5, **kw)
     with pytest.raises(ValueError, match="threshold"):
         ddp.TwoBitState(-1.0)

@@ -9,20 +9,34 @@
     # or: state.name_parameters(model.named_parameters()); model.register_comm_hook(state, twobit_ddp.twobit_hook)
 
 DDP's buckets are the buckets. Each step the hook copies the bucket's flat gradient into the
-codec's layout (each parameter padded to whole 16-value words, as the Horovod path's buckets),
-encodes it with the codec of the Horovod path (``codec.encode_payload``, MXNet's words), gathers
-every rank's payload with ``torch.distributed.all_gather``, and in its callback checks them,
-decodes and sums them in rank order, divides by the number of ranks and commits this rank's
-residuals (``codec.finish_payload``), then hands DDP the result. Every rank computes the same
-bits, each parameter's result is what the NumPy reference gives it, and a parameter whose
-gradient held NaN or Inf on any rank gets NaN on every rank and keeps its residual.
+codec's layout (each parameter padded to whole 16-value words, as the Horovod path's buckets) and
+encodes it with the codec of the Horovod path (``codec.encode_payload``, MXNet's words). Then,
+as the bucket's exchange says (``exchange=``, "auto" decided per bucket by
+:func:`horovod_twobit.wire.scatter.choose`, as ``TwoBitCompressor`` decides it):
 
-Residuals are keyed by parameter name (:meth:`TwoBitState.name_parameters`), so they follow a
-parameter when DDP rebuilds its buckets after the first iteration, and ``state.state_dict()``
-saves them by name, per rank, as :class:`horovod_twobit.torch.TwoBitCompressor` does.
+- allgather: ``torch.distributed.all_gather`` brings every rank's payload to every rank, and the
+  future's callback checks them, decodes and sums them in rank order, divides by the number of
+  ranks and commits this rank's residuals (``codec.finish_payload``);
+- scatter: ``all_to_all_single`` sends chunk c of every rank's payload to rank c, which checks
+  and sums it (``scatter_codec.owner_reduce``, with its owner residual for "auto"), then an
+  ``all_gather`` brings every owner's sum to every rank, and the callback commits this rank's
+  residuals and decodes the result (``scatter_codec.finish_reduced``). The first step of a bucket
+  with a number of ranks first gathers every rank's plan (``codec.check_plans``), so ranks that
+  disagree raise instead of waiting on an ``all_to_all_single`` of other sizes. Phase 1 is waited
+  for inside the hook: collectives must be issued in the same order on every rank, and one
+  issued from a callback would race with the next bucket's hook.
 
-This first version exchanges by allgather only (``exchange="scatter"`` and ``fallback`` are
-refused with the fix) and compresses every floating-point parameter (``min_numel=0``).
+Parameters with fewer than ``min_numel`` values are not compressed: the hook sums them with one
+``all_reduce`` per bucket and divides by the number of ranks, as ``TwoBitCompressor`` leaves them
+to Horovod's allreduce (no residual, no stats).
+
+Every rank computes the same bits, each compressed parameter's result is what the NumPy
+reference gives it, and a parameter whose gradient held NaN or Inf on any rank gets NaN on every
+rank and keeps its residual. Residuals are keyed by parameter name
+(:meth:`TwoBitState.name_parameters`), so they follow a parameter when DDP rebuilds its buckets
+after the first iteration, and ``state.state_dict()`` saves them by name, per rank, with the
+scatter owners' residuals, as :class:`horovod_twobit.torch.TwoBitCompressor` does.
+``state.stats()`` gives ``TwoBitCompressor.stats()``'s fields. ``fallback`` is not supported.
 """
 
 import torch
@@ -30,6 +44,7 @@ import torch.distributed as dist
 
 from horovod_twobit.state import stats
 from horovod_twobit.torch import codec, state as _state
+from horovod_twobit.torch.codec import owner as owner_codec, scatter as scatter_codec
 from horovod_twobit.torch.codec import stats as stats_read
 from horovod_twobit.wire.layout import Layout
 from horovod_twobit.wire import scatter as scatter_wire
@@ -37,23 +52,17 @@ from horovod_twobit.wire import scatter as scatter_wire
 
 class TwoBitState(_state.TwoBitState):
     """What the hook keeps between steps (:class:`horovod_twobit.torch.state.TwoBitState`, with
-    ``torch.distributed``'s ranks): threshold, residuals by parameter name, stats, checkpoint."""
+    ``torch.distributed``'s ranks): threshold, exchange, ``min_numel``, residuals by parameter
+    name (and the scatter owners' by bucket), stats, checkpoint."""
 
     def __init__(self, threshold=0.5, process_group=None, *, rule=None, block=None, blocks=None,
                  min_numel=0, exchange="allgather", fallback=None):
-        if exchange != "allgather":
-            raise ValueError("the DDP hook exchanges by allgather only (got exchange=%r): pass "
-                             "exchange='allgather', or use TwoBitCompressor with Horovod for the "
-                             "scatter exchange" % (exchange,))
         if fallback is not None:
             raise ValueError("the DDP hook has no fallback (got fallback=%r): pass fallback=None, "
                              "or register DDP's own hook where compression does not pay"
                              % (fallback,))
-        if min_numel:
-            raise ValueError("the DDP hook compresses every parameter (got min_numel=%r): pass "
-                             "min_numel=0" % (min_numel,))
-        super().__init__(threshold, rule=rule, block=block, blocks=blocks, bucket_bytes=0,
-                         rank_size=self._dist_rank_size)
+        super().__init__(threshold, min_numel=min_numel, rule=rule, block=block, blocks=blocks,
+                         bucket_bytes=0, exchange=exchange, rank_size=self._dist_rank_size)
         self.process_group = process_group
         self.names = {}  # id(parameter) -> its name
         self._ddp_buckets = {}  # the members' names -> _Bucket
@@ -80,22 +89,69 @@ class TwoBitState(_state.TwoBitState):
                              "state.name_parameters(model.named_parameters()) before training")
         b = self._ddp_buckets.get(names)
         if b is None:
-            b = self._ddp_buckets[names] = _Bucket(self, names, [p.numel() for p in params])
+            b = _Bucket(self, names, params)
+            self._forget([k for k in self._ddp_buckets if not set(k).isdisjoint(names)])
+            self._ddp_buckets[names] = b
         return b
+
+    def _forget(self, keys):
+        """Drops buckets DDP no longer uses (it rebuilds them after the first iteration), and
+        their stats, so that ``stats()`` shows the buckets in use."""
+        log = self.stats_log
+        for k in keys:
+            old = self._ddp_buckets.pop(k)
+            with log._lock:
+                log._last.pop(old.key, None)
 
 
 class _Bucket:
-    """One DDP bucket's members, their layout, and the flat buffers the codec works in."""
+    """One DDP bucket's members, the layout of those it compresses, and the flat buffers the
+    codec works in. ``names``/``layout``: the compressed members (``layout`` None when none is);
+    ``plain``: the indices, among all members, of those summed uncompressed."""
 
-    def __init__(self, state, names, numels):
-        self.state, self.names = state, list(names)
-        self.layout = Layout(numels, state.threshold == "auto", state.block, state.blocks)
-        self.key = scatter_wire.owner_key(self.names)
+    def __init__(self, state, names, params):
+        self.state, self.numels = state, [p.numel() for p in params]
+        packed = [i for i, p in enumerate(params)
+                  if p.is_floating_point() and p.numel() >= state.min_numel]
+        self.packed = packed
+        self.plain = [i for i in range(len(params)) if i not in set(packed)]
+        self.names = [names[i] for i in packed]
+        self.layout = (Layout([self.numels[i] for i in packed], state.threshold == "auto",
+                              state.block, state.blocks) if packed else None)
+        self.key = scatter_wire.owner_key(self.names) if packed else None
         self.r = self.g = None
         self._g_views = None  # the members' slices of g (the codec's layout, padded per member)
         self._generation = None
+        self._exchanges = {}  # number of ranks -> (exchange, its Chunks or None)
+        self._sent_bytes = {}
+        self.owner_scratch = None  # the scatter exchange's owner buffer, kept from step to step
         self.steps, self.step_norms = 0, None  # what the stats' norms reader looks at
         self.norms = stats_read.bucket_norms(self)
+
+    def exchange(self, nranks):
+        """("allgather", None) or ("scatter", its Chunks) for ``nranks`` ranks, as the Horovod
+        path's buckets decide it (:func:`horovod_twobit.wire.scatter.choose`: the same on every
+        rank)."""
+        if nranks not in self._exchanges:
+            name = scatter_wire.choose(self.state.exchange, self.layout, nranks)
+            self._exchanges[nranks] = (name, scatter_wire.Chunks(self.layout, nranks)
+                                       if name == "scatter" else None)
+        return self._exchanges[nranks]
+
+    def sent_bytes(self, nranks, rank, exchange):
+        k = (nranks, rank, exchange)
+        if k not in self._sent_bytes:
+            self._sent_bytes[k] = scatter_wire.rank_bytes(self.layout, nranks, rank, exchange)
+        return self._sent_bytes[k]
+
+    def scratch(self, words, device):
+        """The owner's buffer of :func:`owner_codec.scratch_values` values (zero past the
+        chunk's words, as ``owner_reduce`` leaves it)."""
+        n = owner_codec.scratch_values(words)
+        x = self.owner_scratch
+        if x is None or x.numel() != n or x.device != device:
+            x = self.owner_scratch = torch.zeros(n, device=device)
+        return x
 
     def current_residual(self):
         """The flat residual if it holds the registry's current residuals, else None."""
@@ -125,50 +181,115 @@ class _Bucket:
             self._generation = reg.generation
         return self.r
 
-    def gradient(self, buffer):
-        """The bucket's gradients as the codec's flat float32 buffer (padded per member)."""
+    def gradient(self, parts):
+        """The compressed members' gradients (``parts``: every member's slice of DDP's buffer)
+        as the codec's flat float32 buffer (padded per member)."""
         if self.layout.single:
-            return buffer.to(torch.float32, copy=True)
-        torch._foreach_copy_(self._g_views, buffer.split(self.layout.numels))
+            return parts[self.packed[0]].to(torch.float32, copy=True)
+        torch._foreach_copy_(self._g_views, [parts[i] for i in self.packed])
         return self.g
 
-    def result(self, flat, buffer):
-        """Copies the finished flat result back into DDP's bucket buffer."""
+    def result(self, flat, parts):
+        """Copies the finished flat result of the compressed members back into DDP's buffer."""
         if self.layout.single:
-            buffer.copy_(flat)
-            return buffer
-        torch._foreach_copy_(list(buffer.split(self.layout.numels)), self._g_views)
-        return buffer
+            parts[self.packed[0]].copy_(flat)
+        else:
+            torch._foreach_copy_([parts[i] for i in self.packed], self._g_views)
 
 
 def twobit_hook(state, bucket):
     """DDP's communication hook (``model.register_comm_hook(state, twobit_hook)``): returns a
     future of the bucket's buffer holding the average of every rank's 2-bit-compressed gradients,
-    this rank's residuals committed."""
+    this rank's residuals committed (parameters under ``min_numel``: their plain average)."""
     buffer = bucket.buffer()
     b = state._bucket(bucket.parameters())
-    lay, pg = b.layout, state.process_group
-    nranks = dist.get_world_size(pg)
-    r = b.residual(buffer.device)
-    g = b.gradient(buffer)
-    payload = torch.empty(lay.payload_words, dtype=torch.int32, device=buffer.device)
+    pg = state.process_group
+    nranks, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    parts = buffer.split(b.numels)
+    futures = []
+    if b.plain:  # issued first, on every rank alike
+        summed = torch.cat([parts[i] for i in b.plain])
+        futures.append(dist.all_reduce(summed, group=pg, async_op=True).get_future())
+    if b.layout is not None:
+        futures.append(_compressed(state, b, parts, pg, nranks, rank))
+
+    def finish(fut):
+        done = fut.value() if len(futures) > 1 else [fut]
+        if b.plain:
+            total = done[0].value()[0]
+            total.div_(torch.tensor(float(nranks), dtype=total.dtype, device=total.device))
+            torch._foreach_copy_([parts[i] for i in b.plain], total.split(
+                [b.numels[i] for i in b.plain]))
+        if b.layout is not None:
+            b.result(done[-1].value(), parts)
+        return buffer
+
+    fut = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+    return fut.then(finish)
+
+
+def _compressed(state, b, parts, pg, nranks, rank):
+    """Encodes the bucket's compressed members and starts their exchange: a future of the flat
+    float32 result, this rank's residuals committed when it is done."""
+    lay = b.layout
+    r = b.residual(parts[0].device)
+    g = b.gradient(parts)
+    payload = torch.empty(lay.payload_words, dtype=torch.int32, device=g.device)
     t, v = codec.encode_payload(lay, r, g, state.threshold, state.auto_rule, payload)
-    rank = dist.get_rank(pg)
-    state.stats_log.sent(b.key, b.names, "allgather",
-                         scatter_wire.rank_bytes(lay, nranks, rank, "allgather"),
+    exchange, chunks = b.exchange(nranks)
+    state.stats_log.sent(b.key, b.names, exchange, b.sent_bytes(nranks, rank, exchange),
                          lambda: stats.payload_counts(lay, payload.cpu().numpy(), state.threshold),
                          sum(lay.numels), b.norms)
-    gathered = [torch.empty_like(payload) for _ in range(nranks)]
-    work = dist.all_gather(gathered, payload, group=pg, async_op=True)
+    if exchange == "scatter":
+        fut, gathered, bad = _scatter(state, b, chunks, payload, pg, nranks, rank)
+    else:
+        gathered = [torch.empty_like(payload) for _ in range(nranks)]
+        fut = dist.all_gather(gathered, payload, group=pg, async_op=True).get_future()
 
     def finish(_):
-        flat, nonfinite = codec.finish_payload(lay, torch.cat(gathered), nranks, b.names, r, g,
-                                               t, v, nranks, 1.0)
+        if exchange == "scatter":
+            flat = scatter_codec.finish_reduced(chunks, gathered(), b.names, r, g, t, v, bad,
+                                                nranks, 1.0)
+            nonfinite = any(bad)
+        else:
+            flat, nonfinite = codec.finish_payload(lay, torch.cat(gathered), nranks, b.names, r,
+                                                   g, t, v, nranks, 1.0)
         state.stats_log.finished(nonfinite)
         b.steps += 1
-        return b.result(flat, buffer)
+        return flat
 
-    return work.get_future().then(finish)
+    return fut.then(finish)
+
+
+def _scatter(state, b, chunks, payload, pg, nranks, rank):
+    """Phase 1 of the scatter exchange (waited for here) and phase 2's ``all_gather`` (started):
+    (its future, a function giving every owner's reduced chunk end to end once it is done, the
+    members that held NaN or Inf on some rank)."""
+    lay, dev = b.layout, payload.device
+    agreement = (tuple(b.names), nranks)
+    if agreement not in state.agreed:  # once per bucket and number of ranks
+        plan = torch.tensor(lay.plan(state.threshold), dtype=torch.int32, device=dev)
+        plans = [torch.empty_like(plan) for _ in range(nranks)]
+        dist.all_gather(plans, plan, group=pg)
+        codec.check_plans(lay, torch.cat(plans), nranks, b.names)
+        state.agreed.add(agreement)
+    send, splits = scatter_codec.chunk_payloads(chunks, payload, state.threshold)
+    mine = [chunks.sent_words(rank)] * nranks
+    received = torch.empty(sum(mine), dtype=torch.int32, device=dev)
+    dist.all_to_all_single(received, send, mine, splits.tolist(), group=pg)
+    residual = None
+    if lay.auto:
+        residual = state.owner_residual(b.key, chunks.values(rank), dev, rank, nranks)
+    reduced, bad = scatter_codec.owner_reduce(chunks, received, mine, b.names, rank,
+                                              state.threshold, state.auto_rule, residual,
+                                              b.scratch(chunks.words(rank), dev))
+    # all_gather takes tensors of one size: each owner's reduced chunk padded to the longest
+    lengths = [chunks.reduced_words(c) for c in range(nranks)]
+    sent = reduced.new_zeros(max(lengths))
+    sent[:reduced.numel()] = reduced
+    parts = [torch.empty_like(sent) for _ in range(nranks)]
+    fut = dist.all_gather(parts, sent, group=pg, async_op=True).get_future()
+    return fut, lambda: torch.cat([x[:n] for x, n in zip(parts, lengths)]), bad
 
 
 def register(model, state, hook=twobit_hook):

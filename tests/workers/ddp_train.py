@@ -8,11 +8,14 @@ rank).
 
 Modes: ``view`` (gradient_as_bucket_view=True), ``static`` (static_graph=True), ``nosync`` (two
 micro-batches a step, the first under ``model.no_sync()``), ``unused`` (a layer used on even steps
-only, find_unused_parameters=True), ``mismatch`` (the last rank uses another threshold: every rank
-must raise, none hang).
+only, find_unused_parameters=True), ``scatter`` / ``xauto`` (exchange="scatter" / "auto"),
+``min=N`` (min_numel=N), ``mismatch`` (the last rank uses another threshold: every rank must
+raise, none hang). The residuals the ranks keep as scatter owners and the final stats are
+recorded too.
 """
 
 import datetime
+import json
 import os
 import sys
 
@@ -28,6 +31,8 @@ STEPS, NAN_STEP = 6, 3
 out, threshold = sys.argv[1], sys.argv[2]
 modes = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else set()
 threshold = threshold if threshold == "auto" else float(threshold)
+exchange = "scatter" if "scatter" in modes else "auto" if "xauto" in modes else "allgather"
+min_numel = int(dict(m.split("=") for m in modes if "=" in m).get("min", 0))
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
@@ -70,7 +75,9 @@ def recording_hook(state, bucket):
 model = DDP(net, bucket_cap_mb=0.004,  # about 4 KB: several buckets
             gradient_as_bucket_view="view" in modes, static_graph="static" in modes,
             find_unused_parameters="unused" in modes)
-state = twobit_ddp.register(model, twobit_ddp.TwoBitState(threshold), hook=recording_hook)
+state = twobit_ddp.register(model, twobit_ddp.TwoBitState(threshold, exchange=exchange,
+                                                           min_numel=min_numel),
+                            hook=recording_hook)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 faulty = net.body[2].bias
 
@@ -105,13 +112,16 @@ try:
             for n, a, b in zip(names, offs, offs[1:]):
                 rec["local/%d/%s" % (step, n)] = local[a:b].numpy()
                 rec["agg/%d/%s" % (step, n)] = result[a:b].numpy()
-        for k, r in state.state_dict()["residuals"].items():
+        saved = state.state_dict()
+        for k, r in saved["residuals"].items():
             rec["res/%d/%s" % (step, k)] = np.asarray(r).reshape(-1).copy()
+        for k, r in saved.get("owner_residuals", {}).items():
+            rec["own/%d/%s" % (step, k)] = np.asarray(r).reshape(-1).copy()
         rec["buckets/%d" % step] = np.int64(len(calls))
         if all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
             opt.step()
 except Exception as e:  # the mismatch mode: every rank must get here, with the same message
-    msg = str(e).replace("\n", " ")
+    msg = ("%s: %s" % (type(e).__name__, e)).replace("\n", " ")  # raised as is, or wrapped
     msg = msg[msg.find("PayloadMismatchError"):].split(" At:")[0][:400]  # the error DDP wrapped
     sys.stdout.flush()
     os.write(1, ("RAISED rank %d: %s\n" % (rank, msg)).encode())  # one write: whole lines
@@ -123,6 +133,7 @@ except Exception as e:  # the mismatch mode: every rank must get here, with the 
 st = state.stats()
 rec["stats_nan_steps"] = np.int64(st["nonfinite_steps"])
 rec["stats_bytes"] = np.int64(sum(st["bytes_last_step"].values()))
+rec["stats"] = np.array(json.dumps(st))
 for n, p in net.named_parameters():
     rec["w/" + n] = p.detach().numpy().copy()
 np.savez(os.path.join(out, "rank%d.npz" % rank), **rec)
