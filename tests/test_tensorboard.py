@@ -1,6 +1,7 @@
 """The stats reach TensorBoard: examples/stats_tensorboard.py trains with 2 ranks and writes the
 compressor's stats; the real ``tensorboard`` serves the logs, and its HTTP API gives the scalars
-back."""
+back. With ``--ddp`` (DDP's 2-bit hook under torchrun) the same scalars are in the event file
+(read with TensorBoard's own reader)."""
 
 import json
 import os
@@ -68,3 +69,30 @@ def test_stats_on_tensorboard(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_ddp_stats_on_tensorboard(tmp_path):
+    """--ddp: DDP's 2-bit hook under torchrun (2 ranks, the scatter exchange) writes the same
+    scalars; read back from the event file with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    logdir = tmp_path / "tb"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(EXAMPLES, "stats_tensorboard.py"), "--ddp", "--exchange", "scatter",
+           "--logdir", str(logdir), "--epochs", "1", "--every", "5"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                         env=jobs.job_env())
+    m = re.search(r"stats written to .* \((\d+) steps\)", res.stdout)
+    assert res.returncode == 0 and m, res.stdout[-3000:] + res.stderr[-3000:]
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for tag in ("twobit/fraction_sent", "twobit/threshold", "twobit/bytes_last_step/scatter",
+                "twobit/bytes_total/scatter", "twobit/nonfinite_steps"):
+        assert tag in tags, sorted(tags)
+    assert any(t.startswith("twobit/bucket/") and t.endswith("/residual_l2") for t in tags), tags
+    points = events.Scalars("twobit/fraction_sent")
+    assert [p.step for p in points] == list(range(5, int(m.group(1)) + 1, 5)), points
+    assert all(0 < p.value < 1 for p in points), points
+    nbytes = {p.value for p in events.Scalars("twobit/bytes_last_step/scatter")}
+    assert len(nbytes) == 1 and nbytes.pop() > 0
+    assert {p.value for p in events.Scalars("twobit/bytes_last_step/allgather")} == {0}
