@@ -4,18 +4,21 @@ the NumPy reference bit for bit: a bucket sent uncompressed carries g + r exactl
 zero residual; switching between the compressed and the plain path at any step loses nothing; a
 NaN step keeps the residuals; "auto" measures the link and every rank decides alike."""
 
+import json
+
 import numpy as np
 import pytest
 
 import jobs
 import sim
 from horovod_twobit import reference as ref
+from horovod_twobit.state import fallback
 from horovod_twobit.state.fallback import validate_fallback
 
 pytestmark = pytest.mark.slow
 SWITCH = ["compressed", "compressed", "plain", "plain", "compressed", "plain"]  # the workers'
 CONFIGS = ["0.05:allgather:always", "auto:scatter:switch", "0.05:allgather:switch",
-           "0.05:allgather:auto"]
+           "0.05:allgather:auto", "auto:allgather:checked"]
 
 
 def _ranks(tmp_path_factory, framework, index):
@@ -43,6 +46,8 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
             assert decisions == ["plain", "plain"]
         elif mode == "switch":
             assert decisions == [SWITCH[step]] * 2
+        elif mode == "checked":
+            assert decisions == _checked(ranks[0], step), step
         for g, d in zip(groups, decisions):
             local = [[r["local/%d/%s" % (step, n)] for n in g] for r in ranks]
             want = w.plain(g, local) if d == "plain" else w.bucket(g, local)
@@ -68,6 +73,12 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
             assert int(r["plain_bytes/%d" % step]) == 4 * plain_values
     if mode != "auto":
         assert plain_steps > 0
+    if mode == "checked":  # the schedule ran, and rank 0's medians chose one mode for all
+        checks = [json.loads(str(r["checks"])) for r in ranks]
+        assert checks[0] == checks[1] and len(checks[0]) == 1, checks
+        assert checks[0][0]["kept"] in ("model", "compressed", "plain"), checks
+        assert checks[0][0]["steps"] == len(_schedule(ranks[0])), checks
+        assert res.output.count("fallback checked over") == 2, res
     for n in ranks[0]:
         if n.startswith("w/"):
             np.testing.assert_array_equal(ranks[1][n], ranks[0][n])
@@ -79,10 +90,35 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
         paces = [r["link_allgather"].tolist() for r in ranks]
         assert paces[0] and all(p == paces[0] for p in paces), paces
         assert all(np.isfinite(p) and p > 0 and p != 1.0 for p in paces[0]), paces
-        # logged once per bucket and rank: 2 buckets in the "always" and the "auto" configuration
-        assert res.output.count("horovod-twobit: bucket") == 8, res
+        # logged once per bucket and rank: 2 buckets in the "always", "auto" and "checked"
+        # configurations
+        assert res.output.count("horovod-twobit: bucket") == 12, res
     want = "fallback=%r" % ("always" if mode == "always" else "auto")
     assert all(want in str(r["repr"]) for r in ranks), ranks[0]["repr"]
+
+
+def _schedule(rank):
+    """The checked configuration's schedule, from the model's picks at step 0 (its workers
+    check every job: one round of each mode, no warmup)."""
+    picks = [d == "plain" for d in rank["decisions/0"].tolist()]
+    modes = fallback.candidates(picks, 1.0, 1.0)
+    assert len(modes) >= 2, picks
+    return fallback.schedule(modes, 0, 1)
+
+
+def _checked(rank, step):
+    """The decisions the checked configuration's step must have made: the picks at step 0, the
+    schedule's modes after it, then the mode kept."""
+    picks = [d == "plain" for d in rank["decisions/0"].tolist()]
+    sched = _schedule(rank)
+    if step == 0:
+        mode = fallback.MODEL
+    elif step <= len(sched):
+        mode = sched[step - 1]
+    else:
+        kept = json.loads(str(rank["checks"]))[0]["kept"]
+        mode = fallback.MODE_NAMES.index(kept)
+    return ["plain" if fallback.is_plain(mode, p) else "compressed" for p in picks]
 
 
 def test_fallback_argument_is_checked():

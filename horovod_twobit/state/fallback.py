@@ -148,3 +148,85 @@ def times(layout, nranks, exchange, link):
 def compress_pays(layout, nranks, exchange, link):
     comp, plain = times(layout, nranks, exchange, link)
     return comp < plain
+
+
+# ----------------------------------------------------------------- the checked decision
+# The model's pick is a prediction; with fallback="auto" it is then checked on the job's own
+# steps. The candidates (the model's per-bucket picks, every bucket compressed, every bucket
+# plain: those that differ) take turns, one step each, for WARMUP untimed rounds and SAMPLES
+# timed ones; every rank runs the same schedule (a function of the step count alone), and rank
+# 0's medians decide, broadcast, so every rank keeps the same candidate. A candidate's figure is
+# the span of a step's exchanges: from the first gradient handed to the compressor to the last
+# result it returned (PyTorch), or from the start of the traced step to the last result
+# (TensorFlow), so that anything else a loop runs between steps does not count.
+
+MODEL, COMPRESSED, PLAIN = 0, 1, 2
+MODE_NAMES = ("model", "compressed", "plain")
+WARMUP = 1  # untimed rounds first: a candidate's first step may compile its kernels
+SAMPLES = 5  # timed rounds: each candidate's figure is the median of as many steps
+MARGIN = 3.0  # not checked where the model has one side this many times faster than the other
+TIE = 0.01  # the model's pick is kept unless another candidate is faster by more than this
+
+
+def is_plain(mode, pick):
+    """Whether a bucket whose model pick is ``pick`` (plain or not) goes plain in ``mode``."""
+    return pick if mode == MODEL else mode == PLAIN
+
+
+def candidates(picks, compressed_s, plain_s, margin=None):
+    """The modes to check: the model's picks (``picks``, one bool per bucket: plain), then every
+    bucket compressed and every bucket plain where those differ from the picks, unless the
+    model's times for the whole step (``compressed_s`` every bucket compressed, ``plain_s`` every
+    bucket plain) differ by ``margin`` times or more."""
+    margin = MARGIN if margin is None else margin
+    modes = [MODEL]
+    lo, hi = sorted((max(compressed_s, 1e-12), max(plain_s, 1e-12)))
+    if hi / lo >= margin:
+        return modes
+    if any(picks):
+        modes.append(COMPRESSED)
+    if not all(picks):
+        modes.append(PLAIN)
+    return modes
+
+
+def schedule(modes, warmup=None, samples=None):
+    """The mode of each checked step: the modes in turns, ``warmup + samples`` rounds (none with
+    one mode: nothing to check)."""
+    warmup = WARMUP if warmup is None else warmup
+    samples = SAMPLES if samples is None else samples
+    return [] if len(modes) < 2 else [m for _ in range(warmup + samples) for m in modes]
+
+
+def medians(steps, spans, warmup=None):
+    """[median span] per mode (NaN for a mode never timed) of a schedule's timed steps."""
+    import math
+    import statistics
+    skip = (WARMUP if warmup is None else warmup) * len(set(steps))
+    out = []
+    for m in range(len(MODE_NAMES)):
+        got = [s for i, (mode, s) in enumerate(zip(steps, spans))
+               if i >= skip and mode == m and s is not None and math.isfinite(s)]
+        out.append(statistics.median(got) if got else float("nan"))
+    return out
+
+
+def choose(figures, tie=TIE):
+    """The mode with the shortest median span (``figures``, from :func:`medians`); the model's
+    pick unless another is faster by more than ``tie``."""
+    import math
+    timed = [m for m, s in enumerate(figures) if math.isfinite(s)]
+    if not timed:
+        return MODEL
+    best = min(timed, key=lambda m: figures[m])
+    if MODEL in timed and figures[best] >= figures[MODEL] * (1.0 - tie):
+        return MODEL
+    return best
+
+
+def log_checked(where, steps, figures, chosen):
+    """Logs a checked decision once: its ``steps``, the median spans and the mode kept."""
+    _log.info("horovod-twobit: fallback checked over %d steps (%s): median span %s; keeping %s",
+              steps, where, ", ".join("%s %.3g ms" % (MODE_NAMES[m], 1e3 * s)
+                                      for m, s in enumerate(figures) if s == s),
+              MODE_NAMES[chosen])

@@ -61,6 +61,19 @@ def _build_grads_fn(name, device_dense, device_sparse, compression, sparse_as_de
               process_set=process_set)
 
     def allreduce_grads(grads, vars, use_generic_names, keys):
+        state = checks.state_of(compression)
+        if not (state.fallback == "auto" and state.check_fallback and tf.inside_function()):
+            return reduce_grads(grads, vars, use_generic_names, keys)
+        # fallback="auto": the model's picks are checked on the first steps of this trace
+        from horovod_twobit.tensorflow.exchange import link
+        with tf.name_scope(name + "_FallbackCheck"):
+            check = link.Check(state, process_set)
+        state.checks.append(check)
+        with link.checking(check):
+            out = reduce_grads(grads, vars, use_generic_names, keys)
+        return check.end(out)
+
+    def reduce_grads(grads, vars, use_generic_names, keys):
         with tf.name_scope(name + "_Allreduce"):
             grads = list(grads)
             if sparse_as_dense:

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from horovod_twobit import wire
 from horovod_twobit.state import checkpoint, options
-from horovod_twobit.state.fallback import decide, validate_fallback
+from horovod_twobit.state.fallback import decide, times, validate_fallback
 from horovod_twobit.tensorflow.residuals import Residuals, rank_size
 from horovod_twobit.tensorflow.stats import Slots, residual_norms
 from horovod_twobit.wire import layout, scatter as scatter_wire
@@ -25,6 +25,8 @@ class TwoBitState:
     """The state of one 2-bit compressor (the arguments are
     :class:`horovod_twobit.tensorflow.TwoBitCompressor`'s). A plain Python object: only its
     residuals are checkpoint dependencies, through the face."""
+
+    check_fallback = True  # fallback="auto" checks the model's picks on the first steps
 
     def __init__(self, threshold=0.5, *, rule=None, block=None, blocks=None, bucket_bytes=None,
                  exchange="allgather", fallback=None):
@@ -40,8 +42,11 @@ class TwoBitState:
         self.owners = Residuals(name="owner_residuals", format_version=scatter_wire.FORMAT_VERSION)
         self.owner_of = None
         self.eager_fns = {}  # traced functions and layouts, by what they were made for
-        self.decisions = {}  # (bucket key, number of ranks) -> "compressed" / "plain"
+        self.picks = {}  # the model's: (bucket key, number of ranks) -> "compressed" / "plain"
         self.links = {}  # (process set id, size) -> the measured Link
+        self.checks = []  # the checked decisions of traced gradient reductions (fallback="auto")
+        self.checks_made = 0  # names each check's broadcast, alike on every rank
+        self.zero_flags = {}  # bucket key -> variable: its residuals are known to be zero
         self.stats_slots = Slots()
         self.norms = None  # the residual norms' reader, made on the first stats() call
 
@@ -51,14 +56,37 @@ class TwoBitState:
 
     def plain(self, layout, keys, process_set):
         """Whether the bucket of ``keys`` goes uncompressed with this process set (``fallback``):
-        always, or where the measured link and codec say compression would not pay. Decided
-        once per bucket and number of ranks, when its exchange is traced; logged once."""
+        never without it; always with "always"; with "auto" the model's pick (made once per
+        bucket and number of ranks, when its exchange is traced; logged once), and, in a
+        gradient reduction traced with a :class:`~horovod_twobit.tensorflow.exchange.link.Check`,
+        that pick checked on the first steps: then a 0-d bool tensor, this step's mode."""
         if not self.fallback:
             return False
         n = process_set.size()
-        return decide(self.decisions, keys, layout, n,
-                      scatter_wire.choose(self.exchange, layout, n), self.fallback,
-                      lambda: self.link(process_set))
+        exchange = scatter_wire.choose(self.exchange, layout, n)
+        link = lambda: self.link(process_set)  # noqa: E731
+        from horovod_twobit.tensorflow.exchange.link import current
+        check = current() if self.fallback == "auto" and self.check_fallback else None
+        if check is None:
+            return decide(self.picks, keys, layout, n, exchange, self.fallback, link)
+        pick = decide(self.picks, keys, layout, n, exchange, self.fallback, link)
+        return check.plain(scatter_wire.owner_key(keys), pick,
+                           lambda: times(layout, n, exchange, link()))
+
+    @property
+    def decisions(self):
+        """(bucket key, number of ranks) -> "compressed" / "plain": the model's picks, and for
+        the buckets of a checked gradient reduction the mode of its last step (read eagerly)."""
+        out = dict(self.picks)
+        for check in self.checks:
+            modes = check.last_modes()
+            for key, mode in (modes or {}).items():
+                out[(key, check.process_set.size())] = mode
+        return out
+
+    @decisions.setter
+    def decisions(self, value):
+        self.picks = value
 
     def link(self, process_set):
         """The measured :class:`horovod_twobit.state.fallback.Link` of this process set (rank 0's
@@ -87,7 +115,11 @@ class TwoBitState:
         """What this compressor did, as a plain dict (eager only; see ``TwoBitCompressor.stats``)."""
         if self.norms is None:
             self.norms = residual_norms(self.residuals)  # keeps its traced reader
-        return self.stats_slots.snapshot(self.norms, self.threshold, per_tensor, reset)
+        out = self.stats_slots.snapshot(self.norms, self.threshold, per_tensor, reset)
+        checks = [c.summary() for c in self.checks]
+        if any(checks):
+            out["fallback_checks"] = [c for c in checks if c]
+        return out
 
     def state_dict(self):
         """This rank's residuals (NumPy copies) keyed by tensor name, with the threshold, rank and
@@ -110,6 +142,12 @@ class TwoBitState:
                                          checkpoint.owner_residuals_to_load(saved).items()})
             self.owner_of = rank_size()
         self.stats_slots.residuals_changed()
+        self._residuals_replaced()
+
+    def _residuals_replaced(self):
+        """The plain exchange's "residuals known to be zero" flags no longer hold."""
+        for flag in self.zero_flags.values():
+            flag.assign(False)
 
     def reset(self):
         """Sets every residual back to zero, the scatter owners' too, and forgets the fallback's
@@ -117,5 +155,6 @@ class TwoBitState:
         self.residuals.reset()
         self.owners.reset()
         self.stats_slots.residuals_changed()
-        self.decisions.clear()
+        self._residuals_replaced()
+        self.picks.clear()
         self.links.clear()

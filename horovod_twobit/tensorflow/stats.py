@@ -39,7 +39,9 @@ ROW = 9
 _keys = itertools.count(1)  # slots' numbers in the ops' table, unique in the process
 
 
-def _variable(init):
+def state_variable(init):
+    """A variable of the compressor's own bookkeeping, made eagerly wherever it is asked for
+    (also while a tf.function traces, which refuses tf.Variable there after its first trace)."""
     with tf.init_scope():  # as residuals are made: eagerly, whatever traces first
         return resource_variable_ops.ResourceVariable(
             init, trainable=False, synchronization=tf.VariableSynchronization.NONE,
@@ -53,14 +55,14 @@ class _Slot:
         self.plain = exchange == "plain"  # the fallback: no payload, every value sent
         # (sent, sum of levels, number of levels, residual sum of squares, max |r|) at the last
         # step; the norms NaN where the step left them to the read
-        self.summary = _variable(np.zeros(5, np.float64))
+        self.summary = state_variable(np.zeros(5, np.float64))
         self.has_norms = None  # whether the step computes its norms (set by the first record)
         self.host = None  # its ROW at its last watched step (NumPy, or a list from the table)
         self.key = next(_keys)  # its row's number in the ops' table
         self.table = False  # whether its steps hand their rows to the ops' table
-        self.steps = _variable(np.int64(0))
-        self.nonfinite = _variable(np.int64(0))
-        self.stamp = _variable(np.int64(0))  # the compressor's clock at this slot's last step
+        self.steps = state_variable(np.int64(0))
+        self.nonfinite = state_variable(np.int64(0))
+        self.stamp = state_variable(np.int64(0))  # the compressor's clock at this slot's last step
         self.base = (0, 0)  # (steps, nonfinite) at the last reset
 
 
@@ -87,8 +89,8 @@ class Slots:
 
     def _made(self):
         if self._clock is None:  # under the lock
-            self._clock = _variable(np.int64(0))
-            self._watched = _variable(False)
+            self._clock = state_variable(np.int64(0))
+            self._watched = state_variable(False)
 
     def norms_wanted(self):
         """A 0-d bool tensor for a step: whether to compute its new residual's norms after its

@@ -15,7 +15,7 @@ import torch
 
 from horovod_twobit import wire
 from horovod_twobit.state import checkpoint, options
-from horovod_twobit.state.fallback import decide, validate_fallback
+from horovod_twobit.state.fallback import decide, times, validate_fallback
 from horovod_twobit.state.stats import StatsLog
 from horovod_twobit.torch.codec import stats as stats_read
 from horovod_twobit.torch.residuals import Residuals
@@ -36,6 +36,8 @@ class TwoBitState:
     :class:`horovod_twobit.torch.TwoBitCompressor`'s). ``rank_size`` is a function giving this
     rank's (rank, number of ranks) for the checkpoint (default: Horovod's global process set)."""
 
+    check_fallback = True  # fallback="auto" checks the model's picks on the first steps
+
     def __init__(self, threshold=0.5, *, min_numel=0, rule=None, block=None, blocks=None,
                  bucket_bytes=None, exchange="allgather", fallback=None, rank_size=None):
         self.threshold = wire.validate_threshold(threshold)
@@ -55,6 +57,7 @@ class TwoBitState:
         self._owner_of = None
         self.decisions = {}  # (bucket key, number of ranks) -> "compressed" / "plain"
         self._links = {}  # (process set id, size) -> the measured Link
+        self._checkers = {}  # (process set id, size) -> the checked decision (fallback="auto")
         # (bucket, process set, size) whose ranks all announced the scatter exchange
         self.agreed = set()
         self.stats_log = StatsLog()
@@ -118,13 +121,29 @@ class TwoBitState:
         return b
 
     # ------------------------------------------------------------------ the fallback
-    def plain(self, bucket, process_set, device):
-        """Whether ``bucket`` goes uncompressed with this process set (``fallback``): always,
-        or where the measured link and codec say compression would not pay. Decided once per
-        bucket and number of ranks, logged once, and kept in :attr:`decisions`."""
+    def plain(self, bucket, process_set, device, started):
+        """(Whether ``bucket`` goes uncompressed at this launch, the checked decision's
+        (:class:`~horovod_twobit.torch.exchange.link.Checker`, step) or None): never without
+        ``fallback``; always with "always"; with "auto" the model's pick (from the measured link
+        and codec, made once per bucket and number of ranks, logged once), checked on the job's
+        first steps (:mod:`horovod_twobit.state.fallback`). ``started``: when the bucket's first
+        member arrived. :attr:`decisions` holds each bucket's mode at its last launch."""
         n = process_set.size()
-        return decide(self.decisions, bucket.names, bucket.layout, n, bucket.exchange(n)[0],
-                      self.fallback, lambda: self.link(process_set, device))
+        exchange = bucket.exchange(n)[0]
+        link = lambda: self.link(process_set, device)  # noqa: E731
+        if self.fallback != "auto" or not self.check_fallback:
+            return decide(self.decisions, bucket.names, bucket.layout, n, exchange, self.fallback,
+                          link), None
+        key = (process_set.process_set_id, n)
+        checker = self._checkers.get(key)
+        if checker is None:
+            from horovod_twobit.torch.exchange.link import Checker
+            checker = self._checkers[key] = Checker(process_set)
+        pick = decide(checker.picks, bucket.names, bucket.layout, n, exchange, self.fallback, link)
+        plain, step = checker.plain(bucket.key, pick,
+                                    lambda: times(bucket.layout, n, exchange, link()), started)
+        self.decisions[(bucket.key, n)] = "plain" if plain else "compressed"
+        return plain, (checker, step)
 
     def link(self, process_set, device):
         """The measured :class:`horovod_twobit.state.fallback.Link` of this process set (rank
@@ -149,6 +168,9 @@ class TwoBitState:
         """What this compressor did, as a plain dict (see ``TwoBitCompressor.stats``)."""
         self.stats_reads += 1
         out = self.stats_log.snapshot(self._residual_norms, self.threshold, per_tensor)
+        checks = [c.summary() for c in self._checkers.values()]
+        if any(checks):
+            out["fallback_checks"] = [c for c in checks if c]
         if reset:
             self.stats_log.reset()
         return out
@@ -184,3 +206,4 @@ class TwoBitState:
         self.agreed.clear()
         self.decisions.clear()
         self._links.clear()
+        self._checkers.clear()

@@ -32,3 +32,18 @@ def parse_args():
 
 # the fallback workers' forced decisions, step by step: both paths and the switches between them
 SWITCH = ["compressed", "compressed", "plain", "plain", "compressed", "plain"]
+
+
+def checked_schedule(mode):
+    """MODE "checked": fallback="auto" checks the model's picks on every job (whatever the
+    model's margin), one round each without warmup, so that 6 steps see the schedule and the
+    decision."""
+    from horovod_twobit.state import fallback
+    global _DEFAULTS
+    if _DEFAULTS is None:
+        _DEFAULTS = fallback.MARGIN, fallback.WARMUP, fallback.SAMPLES
+    checked = (float("inf"), 0, 1) if mode == "checked" else _DEFAULTS
+    fallback.MARGIN, fallback.WARMUP, fallback.SAMPLES = checked
+
+
+_DEFAULTS = None

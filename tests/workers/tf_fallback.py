@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from horovod_twobit.tensorflow import TwoBitCompressor
-from configs import SWITCH, parse_args, run_each
+from configs import SWITCH, checked_schedule, parse_args, run_each
 
 NAMES = ["l0_w", "l0_b", "l1_w", "l1_b"]
 SHAPES = [(12, 40), (40,), (40, 6), (6,)]
@@ -46,8 +46,10 @@ def run(spec):
     c = TwoBitCompressor(threshold if threshold == "auto" else float(threshold),
                          bucket_bytes=2048, exchange=exchange,
                          fallback="always" if mode == "always" else "auto")
+    checked_schedule(mode)
     if mode == "switch":
         c.state.decisions = Forced()
+        c.state.check_fallback = False  # the forced decisions hold as they are
 
     def train_step(x, y, f):
         w0, b0, w1, b1 = variables
@@ -91,6 +93,7 @@ def run(spec):
     rec["link_allgather"] = np.array([v.allgather for v in c.state.links.values()],
                                      dtype=np.float64)
     rec["repr"] = np.array(repr(c))
+    rec["checks"] = np.array(json.dumps(c.stats().get("fallback_checks")))
     return rec
 
 

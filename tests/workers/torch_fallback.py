@@ -14,7 +14,7 @@ import torch
 
 import horovod.torch as hvd
 from horovod_twobit.torch import TwoBitCompressor
-from configs import SWITCH, parse_args, run_each
+from configs import SWITCH, checked_schedule, parse_args, run_each
 
 args = parse_args()
 hvd.init()
@@ -31,8 +31,11 @@ def run(spec):
     c = TwoBitCompressor(threshold if threshold == "auto" else float(threshold),
                          bucket_bytes=2048, exchange=exchange,
                          fallback="always" if mode == "always" else "auto")
+    checked_schedule(mode)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), compression=c)
+    if mode == "switch":
+        c.state.check_fallback = False  # the decisions set by hand below hold as they are
     names = [n for n, _ in model.named_parameters()]
     local, step = {}, 0
 
@@ -76,6 +79,7 @@ def run(spec):
     rec["link"] = np.array(json.dumps([repr(v) for v in c._links.values()]))
     rec["link_allgather"] = np.array([v.allgather for v in c._links.values()], dtype=np.float64)
     rec["repr"] = np.array(repr(c))
+    rec["checks"] = np.array(json.dumps(c.stats().get("fallback_checks")))
     return rec
 
 

@@ -6,12 +6,17 @@ broadcast, so every rank decides alike. Runs eagerly: an exchange traced inside 
 measures under ``tf.init_scope`` while it is being traced, which every rank does at the same
 point of its program."""
 
+import contextlib
+import threading
 import time
 
+import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
 
+from horovod_twobit.state import fallback
+from horovod_twobit.tensorflow.stats import state_variable
 from horovod_twobit.state.fallback import BIG, Link, allgather_values, figures
 
 
@@ -71,3 +76,129 @@ def measure(process_set, state):
     got = mpi_ops.broadcast(tf.constant(got, tf.float64), 0, name="twobit.link.figures",
                             process_set=process_set)
     return Link(*got.numpy().tolist())
+
+
+# ----------------------------------------------------------------- the checked decision
+_local = threading.local()
+_MAX_STEPS = len(fallback.MODE_NAMES) * (fallback.WARMUP + fallback.SAMPLES)
+
+
+class Check:
+    """``fallback="auto"``'s checked decision (:mod:`horovod_twobit.state.fallback`) for one
+    traced gradient reduction: made when :mod:`..grads_fn` traces it, so a retrace (a new step
+    shape, new buckets) checks anew. The step's mode is decided in the graph from the number
+    of steps run, the same on every rank: the model's picks at step 0, the schedule's modes in
+    turns after it (set when the trace ends, from every bucket's pick), then the mode that rank
+    0's medians chose, broadcast at the first step after the schedule. A step's span runs from
+    the start of the traced step to its last result."""
+
+    def __init__(self, state, process_set):
+        self.state, self.process_set = state, process_set
+        self.serial = state.checks_made
+        state.checks_made += 1
+        self.firsts = {}  # bucket key -> (model pick, modelled (compressed s, plain s))
+        self.steps = None
+        self.count = state_variable(np.int64(0))
+        self.length = state_variable(np.int64(0))
+        self.sched = state_variable(np.zeros(_MAX_STEPS, np.int32))
+        self.spans = state_variable(np.full(_MAX_STEPS, np.nan))
+        self.chosen = state_variable(np.int32(fallback.MODEL))
+        self.figures = state_variable(np.full(len(fallback.MODE_NAMES), np.nan))
+        self.step = self.count.read_value()
+        self.t0 = tf.timestamp()
+        n = self.length.read_value()
+        decide_now = tf.logical_and(tf.equal(self.step, n + 1), n > 0)
+        chosen = tf.cond(decide_now, self._decide, self.chosen.read_value)
+        scheduled = tf.gather(self.sched.read_value(),
+                              tf.clip_by_value(self.step - 1, 0, _MAX_STEPS - 1))
+        self.mode = tf.where(tf.equal(self.step, 0), fallback.MODEL,
+                             tf.where(self.step <= n, scheduled, chosen))
+
+    def _decide(self):
+        figures = tf.numpy_function(self._medians, [self.sched.read_value(),
+                                                    self.spans.read_value(),
+                                                    self.length.read_value()], tf.float64,
+                                    stateful=True)
+        figures = tf.reshape(figures, [len(fallback.MODE_NAMES)])
+        if self.process_set.size() > 1:
+            figures = mpi_ops.broadcast(figures, 0, name="twobit.fallback.checked.%d" % self.serial,
+                                        process_set=self.process_set)
+        chosen = tf.reshape(tf.numpy_function(self._choose, [figures], tf.int32, stateful=True), [])
+        with tf.control_dependencies([self.figures.assign(figures), self.chosen.assign(chosen)]):
+            return tf.identity(chosen)
+
+    @staticmethod
+    def _medians(sched, spans, n):
+        n = int(n)
+        return np.array(fallback.medians([int(m) for m in sched[:n]], [float(s) for s in spans[:n]]),
+                        np.float64)
+
+    def _choose(self, figures):
+        chosen = fallback.choose([float(x) for x in figures])
+        fallback.log_checked("%d buckets" % len(self.firsts), len(self.steps or ()),
+                             [float(x) for x in figures], chosen)
+        return np.int32(chosen)
+
+    def plain(self, key, pick, times):
+        """Whether bucket ``key`` (model pick ``pick``) goes plain this step: a 0-d bool tensor.
+        ``times()``: the model's (compressed, plain) seconds for it."""
+        if key not in self.firsts:
+            self.firsts[key] = (bool(pick), times())
+        return tf.logical_or(tf.equal(self.mode, fallback.PLAIN),
+                             tf.logical_and(tf.equal(self.mode, fallback.MODEL), bool(pick)))
+
+    def end(self, results):
+        """After the step's buckets were traced: sets the schedule (now, eagerly), and records the
+        step's span and count in the graph; returns ``results`` after them."""
+        firsts = list(self.firsts.values())
+        self.steps = fallback.schedule(fallback.candidates(
+            [p for p, _ in firsts], sum(t[0] for _, t in firsts), sum(t[1] for _, t in firsts)))
+        with tf.init_scope():
+            self.sched.assign(np.array(self.steps + [0] * (_MAX_STEPS - len(self.steps)), np.int32))
+            self.length.assign(len(self.steps))
+        done = [r for r in results if r is not None]
+        with tf.control_dependencies(done):
+            span = tf.timestamp() - self.t0
+        timed = tf.logical_and(self.step >= 1, self.step <= self.length.read_value())
+        index = tf.reshape(tf.clip_by_value(self.step - 1, 0, _MAX_STEPS - 1), [1, 1])
+        updates = [tf.cond(timed, lambda: self.spans.scatter_nd_update(index, [span]).value()[0],
+                           lambda: span),
+                   self.count.assign_add(1)]
+        with tf.control_dependencies(updates):
+            return [None if r is None else tf.identity(r) for r in results]
+
+    def last_modes(self):
+        """{bucket key: "plain" / "compressed"} of the last step run (eager), or None before one."""
+        step = int(self.count.numpy()) - 1
+        if step < 0:
+            return None
+        n = int(self.length.numpy())
+        mode = (fallback.MODEL if step == 0 else
+                int(self.sched.numpy()[step - 1]) if step <= n else int(self.chosen.numpy()))
+        return {k: "plain" if fallback.is_plain(mode, p) else "compressed"
+                for k, (p, _) in self.firsts.items()}
+
+    def summary(self):
+        """The check for the stats: None until decided."""
+        n = int(self.length.numpy())
+        if not n or int(self.count.numpy()) <= n + 1:
+            return None
+        figures = self.figures.numpy().tolist()
+        return {"steps": n, "kept": fallback.MODE_NAMES[int(self.chosen.numpy())],
+                "median_span_ms": {fallback.MODE_NAMES[m]: 1e3 * s
+                                   for m, s in enumerate(figures) if s == s}}
+
+
+@contextlib.contextmanager
+def checking(check):
+    """The :class:`Check` the exchanges this thread traces next take their mode from."""
+    prev = getattr(_local, "check", None)
+    _local.check = check
+    try:
+        yield
+    finally:
+        _local.check = prev
+
+
+def current():
+    return getattr(_local, "check", None)

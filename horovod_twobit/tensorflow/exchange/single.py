@@ -202,12 +202,34 @@ def run(state, tensors, keys, op, prescale, postscale, process_set, op_name,
     (:mod:`horovod_twobit.tensorflow.exchange.scatter`). Returns the results."""
     nranks = process_set.size()
     layout = layout_of(state, keys, tensors)
-    if state.plain(layout, keys, process_set):  # the fallback: uncompressed, g + r
-        from horovod_twobit.tensorflow.exchange import plain as plain_exchange
-        out = plain_exchange.run(state, tensors, keys, op, prescale, postscale, process_set,
-                                 op_name, ignore_name_scope)
-        return state.stats_slots.record(layout, keys, "plain", nranks, process_set.rank(),
-                                             None, out)
+    plain = state.plain(layout, keys, process_set)  # the fallback's decision
+    if plain is True:
+        return _plain(state, tensors, keys, op, prescale, postscale, process_set, op_name,
+                      ignore_name_scope, layout)
+    if plain is False:
+        return _compressed(state, tensors, keys, op, prescale, postscale, process_set, op_name,
+                           ignore_name_scope, layout)
+    # checked on the first steps: this step's mode, the same on every rank
+    return tf.cond(plain,
+                   lambda: _plain(state, tensors, keys, op, prescale, postscale, process_set,
+                                  op_name, ignore_name_scope, layout),
+                   lambda: _compressed(state, tensors, keys, op, prescale, postscale,
+                                       process_set, op_name, ignore_name_scope, layout))
+
+
+def _plain(state, tensors, keys, op, prescale, postscale, process_set, op_name,
+           ignore_name_scope, layout):
+    """The fallback: uncompressed, g + r."""
+    from horovod_twobit.tensorflow.exchange import plain as plain_exchange
+    out = plain_exchange.run(state, tensors, keys, op, prescale, postscale, process_set,
+                             op_name, ignore_name_scope)
+    return state.stats_slots.record(layout, keys, "plain", process_set.size(), process_set.rank(),
+                                    None, out)
+
+
+def _compressed(state, tensors, keys, op, prescale, postscale, process_set, op_name,
+                ignore_name_scope, layout):
+    nranks = process_set.size()
     if len(tensors) == 1:
         ex = Exchange(state, tensors[0], keys[0], op, prescale, postscale, nranks)
     else:
@@ -223,5 +245,9 @@ def run(state, tensors, keys, op, prescale, postscale, process_set, op_name,
                                      ignore_name_scope=ignore_name_scope)
         out = ex.finish(gathered)
         out, norms, bad = out if len(tensors) > 1 else [out], ex.norms, ex.bad
+    if state.fallback:  # the residuals move again: the plain exchange must add them
+        from horovod_twobit.tensorflow.exchange.plain import zero_flag
+        with tf.control_dependencies([zero_flag(state, keys).assign(False)]):
+            out = list(tf.identity_n(out))
     return state.stats_slots.record(layout, keys, exchange, nranks, process_set.rank(),
-                                         ex.payload, out, norms, bad)
+                                    ex.payload, out, norms, bad)

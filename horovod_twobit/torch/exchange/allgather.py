@@ -37,6 +37,7 @@ class Flight:
     (:class:`~horovod_twobit.torch.exchange.scatter.ScatterFlight` replaces the collective.)"""
 
     EXCHANGE = "allgather"
+    check = None  # the fallback's checked decision and this launch's step (Bucket.launch)
 
     def __init__(self, bucket, tensors, op, prescale, postscale, process_set, in_place):
         layout, c = bucket.layout, bucket.state
@@ -117,6 +118,8 @@ class Flight:
         b = self.bucket
         b.state.stats_log.finished(self.nonfinite)
         b.steps += 1
+        if self.check is not None:
+            self.check[0].finished(self.check[1])
         if self.prepares_stats and not self.nonfinite:  # else read from the residuals
             if self._norms is None:  # the collective was done before the wait
                 self._prepare_stats(self.r)

@@ -13,6 +13,7 @@ cannot depend on the order in which gradients become ready.
 """
 
 import threading
+import time
 import warnings
 
 import torch
@@ -48,6 +49,10 @@ class Bucket:
         self._bound = None  # the registry generation the residual views belong to
         self._lock = threading.Lock()
         self._round = None  # the step whose members are arriving
+        self._started = None  # when its first member arrived (time.perf_counter)
+        # the registry generation in which the residual is known to be zero (after a plain step
+        # that sent every member), else None: the next plain step then sends g alone
+        self.zero_residual = None
         self._flight = None  # the last step sent
         self._exchanges = {}  # number of ranks -> (exchange, its Chunks or None)
         self.owner_scratch = None  # the scatter exchange's "auto" owner buffer (ScatterFlight)
@@ -109,6 +114,7 @@ class Bucket:
             rnd = self._round
             if rnd is None:
                 rnd = self._round = _Round(self, call)
+                self._started = time.perf_counter()
             elif name in rnd.arrived:
                 raise RuntimeError("tensor %r was submitted twice before its bucket was sent: "
                                    "wait for its handle before submitting it again" % name)
@@ -127,11 +133,17 @@ class Bucket:
         if prev is not None:
             prev.wait()  # its buffers are about to be reused; it was launched, so this ends
         c = self.state
-        if c.fallback and c.plain(self, process_set, tensors[0].device):
+        started, self._started = self._started or time.perf_counter(), None
+        plain, check = c.plain(self, process_set, tensors[0].device, started) if c.fallback \
+            else (False, None)
+        if plain:
             cls = PlainFlight
         else:
             cls = ScatterFlight if self.exchange(process_set.size())[0] == "scatter" else Flight
         self._flight = cls(self, tensors, op, prescale, postscale, process_set, in_place)
+        self._flight.check = check
+        if not plain:
+            self.zero_residual = None
         return self._flight
 
     def exchange(self, nranks):

@@ -3,12 +3,14 @@ its per-bucket decision: the link, by timed allreduces and allgathers of known s
 Horovod, and the codec rate, by one encode and the decode-sum of N payloads of known size on this
 device; rank 0's figures are broadcast, so every rank decides alike."""
 
+import threading
 import time
 
 import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
+from horovod_twobit.state import fallback
 from horovod_twobit.state.fallback import BIG, Link, allgather_values, figures
 from horovod_twobit.wire.layout import Layout
 
@@ -66,3 +68,84 @@ def measure(process_set, device, threshold):
     got = mpi_ops.broadcast(torch.tensor(got, dtype=torch.float64), 0,
                             name="twobit.link.figures", process_set=process_set)
     return Link(*got.tolist())
+
+
+class Checker:
+    """The checked decision of ``fallback="auto"`` (:mod:`horovod_twobit.state.fallback`) for
+    one process set's buckets. Each bucket counts its own launches, so a launch's mode is a
+    function of that count alone, the same on every rank: the model's pick at a bucket's first
+    launch, the schedule's modes in turns after it, then the mode rank 0's medians chose."""
+
+    def __init__(self, process_set):
+        self.process_set = process_set
+        self.picks = {}  # the model's picks, fallback.decide's cache
+        self.launches = {}  # bucket key -> its launches so far
+        self.first = {}  # bucket key -> (model pick, modelled (compressed s, plain s))
+        self.steps = None  # the schedule, made at the first bucket's second launch
+        self.starts, self.ends = {}, {}  # checked step -> its first start, its last finish
+        self.chosen = None
+        self.figures = None  # rank 0's median span per mode
+        self._lock = threading.Lock()
+        self._deciding = threading.Lock()
+
+    def plain(self, key, pick, times, started):
+        """(Whether bucket ``key``, whose model pick is ``pick``, goes plain at this launch; the
+        launch's step). ``times()``: the model's (compressed, plain) seconds for the bucket;
+        ``started``: when its first member arrived (``time.perf_counter``)."""
+        with self._lock:
+            k = self.launches.get(key, 0)
+            self.launches[key] = k + 1
+            if k == 0:
+                self.first[key] = (pick, times())
+            elif self.steps is None:  # every bucket of step 0 has launched
+                firsts = list(self.first.values())
+                self.steps = fallback.schedule(fallback.candidates(
+                    [p for p, _ in firsts], sum(t[0] for _, t in firsts),
+                    sum(t[1] for _, t in firsts)))
+            if 1 <= k <= len(self.steps or ()):
+                self.starts[k] = min(self.starts.get(k, float("inf")), started)
+        if self.steps is not None and k > len(self.steps) and self.chosen is None:
+            self._decide()  # the first launch after the schedule, on every rank
+        if k == 0:
+            mode = fallback.MODEL
+        elif k <= len(self.steps):
+            mode = self.steps[k - 1]
+        else:
+            mode = self.chosen
+        return fallback.is_plain(mode, pick), k
+
+    def finished(self, step):
+        """A flight of ``step`` has returned its results."""
+        if 1 <= step <= len(self.steps or ()):
+            now = time.perf_counter()
+            with self._lock:
+                self.ends[step] = max(self.ends.get(step, 0.0), now)
+
+    def _decide(self):
+        with self._deciding:
+            if self.chosen is not None:
+                return
+            steps = self.steps
+            if not steps:
+                self.chosen = fallback.MODEL
+                return
+            with self._lock:
+                spans = [self.ends[j] - self.starts[j] if j in self.ends and j in self.starts
+                         else None for j in range(1, len(steps) + 1)]
+            figures = fallback.medians(steps, spans)
+            if self.process_set.size() > 1:
+                figures = mpi_ops.broadcast(torch.tensor(figures, dtype=torch.float64), 0,
+                                            name="twobit.fallback.checked",
+                                            process_set=self.process_set).tolist()
+            self.figures = figures
+            chosen = fallback.choose(figures)
+            fallback.log_checked("%d buckets" % len(self.first), len(steps), figures, chosen)
+            self.chosen = chosen
+
+    def summary(self):
+        """The check for the stats: None until decided."""
+        if self.chosen is None:
+            return None
+        return {"steps": len(self.steps or ()), "kept": fallback.MODE_NAMES[self.chosen],
+                "median_span_ms": {fallback.MODE_NAMES[m]: 1e3 * s
+                                   for m, s in enumerate(self.figures or ()) if s == s}}

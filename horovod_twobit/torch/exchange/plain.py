@@ -3,7 +3,9 @@
 Error feedback makes the switch exact: the bucket's values g + r (its gradients plus its
 residuals, float32) go through Horovod's own allreduce, so everything not yet sent is sent now,
 and the residuals become zero. Nothing is lost either way, and a later step may compress again
-from a zero residual. A step whose result is not finite (some rank's gradient held NaN or Inf)
+from a zero residual. While the residuals are known to be zero (the bucket's last step went plain)
+the step sends g alone, as Horovod's own allreduce would (the same values; a -0.0 in g stays
+-0.0, where g + 0.0 gives +0.0). A step whose result is not finite (some rank's gradient held NaN or Inf)
 keeps the residuals as they were, as the compressed exchanges do.
 """
 
@@ -22,7 +24,16 @@ class PlainFlight(Flight):
     def __init__(self, bucket, tensors, op, prescale, postscale, process_set, in_place):
         c = bucket.state
         self._take(bucket, tensors, op, prescale, postscale, process_set, in_place)
-        self.sum = self.g.to(torch.float32) + self.r  # a new buffer: the gradient is kept
+        # A residual known to be zero (the last step went plain and sent everything) adds
+        # nothing: g itself is sent, in place where it is this bucket's own float32 buffer.
+        self.zero = bucket.zero_residual == c.residuals.generation
+        if not self.zero:
+            self.sum = self.g.to(torch.float32) + self.r  # a new buffer: the gradient is kept
+        elif bucket.layout.single and not (in_place and self.g.dtype == torch.float32
+                                           and tensors[0].is_contiguous()):
+            self.sum = self.g.to(torch.float32, copy=True)
+        else:  # the bucket's flat buffer (filled by _take), or the tensor, reduced in place
+            self.sum = self.g
         values = bucket.values
         c.stats_log.sent(bucket.key, bucket.names, self.EXCHANGE, 4 * self.sum.numel(),
                          lambda: (values, 0.0, 0), values, bucket.norms)
@@ -43,14 +54,20 @@ class PlainFlight(Flight):
         its residual set to zero; one that is not (some rank's gradient held NaN or Inf) gets
         NaN and keeps its residual, as in the compressed exchanges."""
         dest = self.g if out is None else out
-        dest.copy_(summed)
+        if summed.data_ptr() != dest.data_ptr():
+            dest.copy_(summed)
+        b = self.bucket
         if bool(torch.isfinite(summed).all()):
-            self.r.zero_()
+            if not self.zero:
+                self.r.zero_()
+            b.zero_residual = b.state.residuals.generation
             return dest, False
-        lay = self.bucket.layout
+        lay = b.layout
         for s, n in zip(lay.starts, lay.numels):
             if bool(torch.isfinite(summed[s:s + n]).all()):
                 self.r[s:s + n].zero_()
             else:
                 dest[s:s + n] = float("nan")
+        if not self.zero:
+            b.zero_residual = None  # a member that held NaN or Inf kept its residual
         return dest, True
