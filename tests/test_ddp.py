@@ -2,11 +2,11 @@
 rank, and every rank's residuals (and scatter owners' residuals) after it, equal the NumPy
 reference workers' replay of the gradients the ranks saw, bit for bit; DDP's buckets rebuilt after
 the first iteration keep each parameter's residual; a NaN on one rank makes that parameter NaN on
-every rank, its residual unchanged, and the steps after it are finite again. With no_sync() and
-unused parameters (2 ranks); the scatter exchange (2 ranks); gradient_as_bucket_view,
-static_graph and the "auto" exchange (3 ranks: both exchanges); with min_numel (parameters under
-it summed uncompressed) in the last two; the stats after the last step; ranks with different
-thresholds all raise the same error, and none hangs, with either exchange."""
+every rank, its residual unchanged, and the steps after it are finite again (+Inf and -Inf
+likewise). With no_sync() and unused parameters (2 ranks); the scatter exchange (2 ranks);
+gradient_as_bucket_view, static_graph and the "auto" exchange (3 ranks: both exchanges); with
+min_numel (parameters under it summed uncompressed) in the last two; the stats after the last step;
+ranks with different thresholds all raise the same error, and none hangs, with either exchange."""
 
 import json
 import os
@@ -54,8 +54,8 @@ def _plain(local, nranks):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nranks,threshold,modes", [
-    (2, 0.05, "nosync,unused"), (2, 0.05, "scatter,min=10,nosync"),
-    (3, "auto", "view,static,xauto,min=10")])
+    (2, 0.05, "nosync,unused"), (2, 0.05, "scatter,min=10,nosync,fault=inf"),
+    (3, "auto", "view,static,xauto,min=10,fault=-inf")])
 def test_ddp_hook_matches_the_reference(tmp_path, nranks, threshold, modes):
     out = _run(tmp_path, nranks, threshold, modes)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

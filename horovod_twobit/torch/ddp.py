@@ -114,7 +114,7 @@ class _Bucket:
         packed = [i for i, p in enumerate(params)
                   if p.is_floating_point() and p.numel() >= state.min_numel]
         self.packed = packed
-        self.plain = [i for i in range(len(params)) if i not in set(packed)]
+        self.plain = sorted(set(range(len(params))) - set(packed))
         self.names = [names[i] for i in packed]
         self.layout = (Layout([self.numels[i] for i in packed], state.threshold == "auto",
                               state.block, state.blocks) if packed else None)

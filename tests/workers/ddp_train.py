@@ -9,9 +9,9 @@ rank).
 Modes: ``view`` (gradient_as_bucket_view=True), ``static`` (static_graph=True), ``nosync`` (two
 micro-batches a step, the first under ``model.no_sync()``), ``unused`` (a layer used on even steps
 only, find_unused_parameters=True), ``scatter`` / ``xauto`` (exchange="scatter" / "auto"),
-``min=N`` (min_numel=N), ``mismatch`` (the last rank uses another threshold: every rank must
-raise, none hang). The residuals the ranks keep as scatter owners and the final stats are
-recorded too.
+``min=N`` (min_numel=N), ``fault=inf`` / ``fault=-inf`` (the fault injected instead of a NaN),
+``mismatch`` (the last rank uses another threshold: every rank must raise, none hang). The
+residuals the ranks keep as scatter owners and the final stats are recorded too.
 """
 
 import datetime
@@ -32,7 +32,8 @@ out, threshold = sys.argv[1], sys.argv[2]
 modes = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else set()
 threshold = threshold if threshold == "auto" else float(threshold)
 exchange = "scatter" if "scatter" in modes else "auto" if "xauto" in modes else "allgather"
-min_numel = int(dict(m.split("=") for m in modes if "=" in m).get("min", 0))
+options = dict(m.split("=") for m in modes if "=" in m)
+min_numel, fault = int(options.get("min", 0)), float(options.get("fault", "nan"))
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
@@ -95,7 +96,7 @@ try:
         handle = None
         if step == NAN_STEP and rank == size - 1:
             handle = faulty.register_hook(lambda g: g.index_put((torch.tensor([1]),),
-                                                                torch.tensor(float("nan"))))
+                                                                torch.tensor(fault)))
         opt.zero_grad()
         if "nosync" in modes:  # a first micro-batch accumulates without communication
             with model.no_sync():
