@@ -61,6 +61,14 @@ def exchange(layout, rs_, owners, grads, threshold, rule="lsq", divisor=None, sc
     return outs, sends, reduced
 
 
+def ranks_state(layout, nranks, device="cpu"):
+    """(chunks, every rank's zero residual, every owner's zero residual ("auto"; else None))."""
+    chunks = sw.Chunks(layout, nranks)
+    return chunks, [torch.zeros(layout.values, device=device) for _ in range(nranks)], \
+        [torch.zeros(chunks.values(c), device=device) if layout.auto else None
+         for c in range(nranks)]
+
+
 def owner_scratches(chunks, device="cpu"):
     return [torch.zeros(owner_codec.scratch_values(chunks.words(c)), device=device)
             for c in range(chunks.nranks)]
@@ -74,10 +82,7 @@ def test_bucket_matches_reference(monkeypatch, threshold, block, blocks, nranks,
     device = _device(monkeypatch, device)
     auto = threshold == "auto"
     layout = Layout(SIZES, auto, *wire.validate_blocks(threshold, block, blocks))
-    chunks = sw.Chunks(layout, nranks)
-    rs_ = [torch.zeros(layout.values, device=device) for _ in range(nranks)]
-    owners = [torch.zeros(chunks.values(c), device=device) if auto else None
-              for c in range(nranks)]
+    chunks, rs_, owners = ranks_state(layout, nranks, device)
     w = ref.Workers(nranks, threshold, block=block, blocks=blocks, exchange="scatter")
     names = ["t%d" % i for i in range(len(SIZES))]
     sent = 0

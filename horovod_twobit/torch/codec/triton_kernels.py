@@ -100,6 +100,16 @@ def _rounded(y, mult_ptr, HAS_FACTOR: tl.constexpr):
 
 
 @triton.jit
+def _bf16_bits(x):
+    """The bfloat16 bits (int16) of float32 ``x`` rounded to nearest, ties to even, as torch
+    rounds (NaN: 0x7FC0). Integer operations, so the interpreter (which truncates its own
+    float32 -> bfloat16 conversion) gives the GPU's bits."""
+    u = x.to(tl.int32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, r & 0xFFFF).to(tl.int16)
+
+
+@triton.jit
 def _segment_mean(part_ptr, first, count, nseg):
     """The float64 mean of |r + g| over a segment: its chunks' sums, in chunk order, / its
     length."""
@@ -249,14 +259,15 @@ def _decode_kernel(rows_ptr, nranks, row_stride, body_off, lvl_off, lvl_idx_ptr,
                    r_ptr, g_ptr, t_ptr, v_ptr, div_ptr, scale_ptr, dest_ptr,
                    mow_ptr, bad_ptr, mend_ptr,
                    LEVELS: tl.constexpr, COMMIT: tl.constexpr, OWN_PER_WORD: tl.constexpr,
-                   DIVIDE: tl.constexpr, CHECK_BAD: tl.constexpr, BW: tl.constexpr):
+                   DIVIDE: tl.constexpr, CHECK_BAD: tl.constexpr, BF16: tl.constexpr,
+                   BW: tl.constexpr):
     """The decode-sum of ``nranks`` payload rows (row i's word w at rows[i * row_stride +
     body_off + w]) in rank order, each rank's level from its own row: LEVELS 0, the float32 at
     word ``lvl_off`` (a threshold); 1, at word ``lvl_off + lvl_idx[w]`` (a segment's or piece's
     magnitude); 2, 1.0 (counts). Then / divisor (correctly rounded) * scale where DIVIDE, into
     ``dest`` (its dtype). With COMMIT, first r <- (r + g) - q with this rank's (t, v). With
     CHECK_BAD, members flagged in ``bad`` get NaN over their values (their padding is left) and
-    keep their residual."""
+    keep their residual. BF16: ``dest`` is a bfloat16 tensor seen as int16 (:func:`_bf16_bits`)."""
     w = tl.program_id(0).to(tl.int64) * BW + tl.arange(0, BW)
     wm = w < nwords
     idx = w[:, None] * 16 + tl.arange(0, 16)[None, :]
@@ -297,10 +308,14 @@ def _decode_kernel(rows_ptr, nranks, row_stride, body_off, lvl_off, lvl_idx_ptr,
             v = tl.load(v_ptr)
         r_new = tl.where(x >= t, x - v, tl.where(x <= -t, x + v, x))
         tl.store(r_ptr + idx, r_new, mask=keep)
-    if CHECK_BAD:
-        tl.store(dest_ptr + idx, acc.to(dest_ptr.dtype.element_ty), mask=keep | (m & real))
+    if BF16:
+        out = _bf16_bits(acc)
     else:
-        tl.store(dest_ptr + idx, acc.to(dest_ptr.dtype.element_ty), mask=m)
+        out = acc.to(dest_ptr.dtype.element_ty)
+    if CHECK_BAD:
+        tl.store(dest_ptr + idx, out, mask=keep | (m & real))
+    else:
+        tl.store(dest_ptr + idx, out, mask=m)
 
 
 # ----------------------------------------------------------------- tables (once per layout, device)
@@ -463,12 +478,13 @@ def finish_payload(layout, gathered, nranks, bad, r, g, t, v, divisor, scale, ou
     check = any(bad)
     flags = torch.tensor([int(b) for b in bad], dtype=torch.int32, device=dev) if check \
         else tab.member_end
+    bf16 = dest.dtype == torch.bfloat16
     _decode_kernel[_grid(nwords)](
         gathered, nranks, layout.payload_words, layout.body, lvl_off, lvl_idx, n, nwords,
-        r, g, t, v, _f32(divisor, dev), _f32(scale, dev), dest,
+        r, g, t, v, _f32(divisor, dev), _f32(scale, dev), dest.view(torch.int16) if bf16 else dest,
         tab.member_of_word, flags, tab.member_end,
         LEVELS=levels, COMMIT=True, OWN_PER_WORD=t.dim() > 0 or v.dim() > 0, DIVIDE=True,
-        CHECK_BAD=check, BW=BLOCK_WORDS, **_launch_options())
+        CHECK_BAD=check, BF16=bf16, BW=BLOCK_WORDS, **_launch_options())
     return dest
 
 
@@ -485,5 +501,5 @@ def decode_rows(received, nranks, row_stride, body_off, nwords, out, lvl_off=Non
         received if lvl_idx is None else lvl_idx, 16 * nwords, nwords,
         dummy, dummy, dummy, dummy, dummy, dummy, out, received, received, received,
         LEVELS=2 if lvl_off is None else 1, COMMIT=False, OWN_PER_WORD=False, DIVIDE=False,
-        CHECK_BAD=False, BW=BLOCK_WORDS, **_launch_options())
+        CHECK_BAD=False, BF16=False, BW=BLOCK_WORDS, **_launch_options())
     return out

@@ -1,0 +1,120 @@
+"""The codec's Triton kernels (horovod_twobit/torch/codec/triton_kernels.py), bit for bit against the
+NumPy reference: on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1 must be set
+before a process starts, so tests/workers/triton_codec.py runs in a subprocess), and compiled on
+a GPU where there is one. The worker drives the codec's own entry points with the Triton path
+forced (HOROVOD_TWOBIT_TRITON=force), so what runs is the dispatch a CUDA tensor takes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "workers", "triton_codec.py")
+
+try:
+    import triton  # noqa: F401
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed (scripts/setup.sh "
+                                  "installs the version matching torch)")
+
+sys.path.insert(0, os.path.join(HERE, "workers"))
+import triton_codec  # noqa: E402
+
+# small programs and chunks, so that a bucket spans many programs and a segment many chunks
+INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "HOROVOD_TWOBIT_TRITON": "force",
+                   "HOROVOD_TWOBIT_COMPILE": "0", "HOROVOD_TWOBIT_TRITON_BLOCK_WORDS": "64",
+                   "HOROVOD_TWOBIT_TRITON_CHUNK": "512", "PYTHONWARNINGS": "ignore"}
+
+
+def run_worker(cases, env=None, device=None, timeout=900):
+    """{case: row} of the worker's JSON lines for ``cases``."""
+    args = [sys.executable, WORKER] + (["--device", device] if device else []) + list(cases)
+    proc = subprocess.run(args, env=dict(os.environ, **(env or {})), capture_output=True,
+                          text=True, timeout=timeout, cwd=HERE)
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            rows[row["case"]] = row
+    assert rows, "the worker printed no result (rc %d):\n%s" % (proc.returncode, proc.stderr[-3000:])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_worker(triton_codec.FAST, INTERPRETER_ENV)
+
+
+def _check(row):
+    assert row["ok"], row["error"]
+    assert row["triton"], "the Triton kernels did not run"
+
+
+@needs_triton
+@pytest.mark.parametrize("case", triton_codec.FAST)
+def test_interpreted_kernels_match_reference(interpreted, case):
+    """Each kernel (fixed and "auto" encode, finish, the owner's decode-sum) on CPU tensors
+    through the interpreter: payload words, results and residuals are the reference's bits."""
+    _check(interpreted[case])
+
+
+@needs_triton
+@pytest.mark.slow
+def test_interpreted_kernels_auto_defaults():
+    """threshold="auto" with its default blocks (many small segments), both exchanges."""
+    for row in run_worker(["auto_defaults", "scatter_auto_defaults"], INTERPRETER_ENV).values():
+        _check(row)
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_kernels_match_reference():
+    """The same cases compiled on a GPU, against the reference and the compiled torch ops."""
+    for row in run_worker(list(triton_codec.CASES), {"HOROVOD_TWOBIT_TRITON": "1"},
+                          device="cuda").values():
+        _check(row)
+
+
+PROBE = """
+import sys, warnings, torch
+from horovod_twobit.torch import codec
+from horovod_twobit.torch.codec import compiled
+from horovod_twobit.wire.layout import Layout
+lay = Layout([40, 17], False)
+r, g = torch.zeros(lay.values), torch.randn(lay.values)
+p = torch.empty(lay.payload_words, dtype=torch.int32)
+codec.encode_payload(lay, r, g, 0.5, "lsq", p)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    cuda = compiled.triton_path(torch.device("cuda"))
+print(compiled.triton_path(torch.device("cpu")) is not None, cuda is not None,
+      sys.modules.get("triton") is not None, len(w))
+"""
+
+
+@pytest.mark.parametrize("setting,hide,want", [
+    (None, False, "False True True 0"),  # CPU tensors: the torch path; CUDA: the kernels
+    ("0", False, "False False False 0"),  # switched off: Triton never imported
+    (None, True, "False False False 1"),  # no Triton: the torch path, one warning
+])
+def test_dispatch(setting, hide, want):
+    """Where the Triton kernels run: CUDA tensors, unless HOROVOD_TWOBIT_TRITON=0 or Triton does
+    not import (a warning, then the compiled torch ops); never CPU tensors but when forced. The
+    codec imports and runs on a CPU without Triton."""
+    if not HAVE_TRITON and not hide:
+        pytest.skip("Triton is not installed")
+    code = ("import sys; sys.modules['triton'] = None\n" if hide else "") + PROBE
+    env = dict(os.environ, HOROVOD_TWOBIT_COMPILE="0")
+    env.pop("HOROVOD_TWOBIT_TRITON", None)
+    if setting is not None:
+        env["HOROVOD_TWOBIT_TRITON"] = setting
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == want
