@@ -78,10 +78,20 @@ def bucket_bytes(size):
 
 def interleaved(steps_of, args):
     """Runs the methods' step functions in turns (see the module docstring); returns each
-    method's list of timed step durations."""
-    for fn in steps_of.values():
-        for _ in range(args.warmup):
+    method's list of timed step durations, and of its untimed first steps: ``--warmup``, or
+    where a method has ``fallback="auto"`` as many as its checked decision may take (for every
+    method of the row, so that each has the same start)."""
+    first = args.warmup
+    if any("_fallback" in m for m in steps_of):
+        from horovod_twobit.state import fallback
+        first = max(first, fallback.start_steps())
+    starts = {}
+    for m, fn in steps_of.items():
+        starts[m] = []
+        for _ in range(first):
+            t0 = time.perf_counter()
             fn()
+            starts[m].append(time.perf_counter() - t0)
     times = {m: [] for m in steps_of}
     order = list(steps_of)
     for rnd in range(args.rounds):
@@ -91,20 +101,40 @@ def interleaved(steps_of, args):
                 t0 = time.perf_counter()
                 fn()
                 times[m].append(time.perf_counter() - t0)
-    return times
+    return times, starts
 
 
-def timed(hvd, steps_of, counts, build, args, row, out, read_out, fit=False):
+def timed(hvd, steps_of, counts, build, args, row, out, read_out, fit=False, start_out=None):
     """Times the methods of one row in turns (with their ``+stats`` twins under
     ``--read-stats``, each made by ``build(method)`` -> (step, tensors, compressor)) into ``out``:
-    {(row, method): (median step, tensors)}, and ``read_out``: {(row, twin): median stats()
-    read}."""
+    {(row, method): (median step, tensors)}, ``read_out``: {(row, twin): median stats()
+    read}, and ``start_out``: {(row, method): (first steps, their seconds beyond as many
+    steady steps)}, the slower rank's."""
     reads = stats_cost.add_reads(steps_of, counts, build, fit) if args.read_stats else {}
-    times = interleaved(steps_of, args)
+    times, starts = interleaved(steps_of, args)
     for method, t in times.items():
         out[(row, method)] = (_median_across(hvd, t), counts[method])
+        if start_out is not None and starts[method]:
+            extra = sum(starts[method]) - len(starts[method]) * statistics.median(t)
+            start_out[(row, method)] = (len(starts[method]),
+                                        float(max(hvd.allgather_object(extra))))
     for twin, d in stats_cost.timed_reads(reads, times).items():
         read_out[(row, twin)] = _median_across(hvd, d)
+
+
+def start_table(starts):
+    """What the fallback's start (the link's measurement, the checked decision's schedule)
+    costs: each fallback method's first steps beyond as many steady steps, less its twin's."""
+    lines = ["| model, method | first steps | beyond as many steady steps (s) | "
+             "the same without the fallback (s) | the fallback's start (s) |",
+             "|---|---|---|---|---|"]
+    for (row, method), (n, extra) in sorted(starts.items()):
+        twin = starts.get((row, method.replace("_fallback", "")))
+        if "_fallback" not in method or twin is None:
+            continue
+        lines.append("| %s, %s | %d | %.2f | %.2f | %.2f |"
+                     % (row, method, n, extra, twin[1], extra - twin[1]))
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def run_torch(args):
@@ -113,15 +143,15 @@ def run_torch(args):
     from horovod_twobit.torch import TwoBitCompressor
     torch.set_num_threads(args.threads)
     hvd.init()
-    out, reads = {}, {}
+    out, reads, starts = {}, {}, {}
     for model_name in args.models.split(","):
         def build(method, model_name=model_name):
             return torch_step(model_name, method, args, torch, hvd, TwoBitCompressor)
         steps_of, counts = {}, {}
         for method in args.methods.split(","):
             steps_of[method], counts[method], _ = build(method)
-        timed(hvd, steps_of, counts, build, args, model_name, out, reads)
-    return out, reads, hvd.rank()
+        timed(hvd, steps_of, counts, build, args, model_name, out, reads, start_out=starts)
+    return out, reads, starts, hvd.rank()
 
 
 def torch_step(model_name, method, args, torch, hvd, TwoBitCompressor):
@@ -153,7 +183,7 @@ def run_tf(args):
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     hvd.init()
-    out, reads = {}, {}
+    out, reads, starts = {}, {}, {}
     for model_name in args.models.split(","):
         for loop in args.tf_loops.split(","):
             if loop not in ("tape", "fit"):
@@ -165,11 +195,12 @@ def run_tf(args):
             steps_of, counts = {}, {}
             for method in args.methods.split(","):
                 steps_of[method], counts[method], _ = build(method)
-            timed(hvd, steps_of, counts, build, args, row, out, reads, fit=loop == "fit")
+            timed(hvd, steps_of, counts, build, args, row, out, reads, fit=loop == "fit",
+                  start_out=starts)
             if args.profile:
                 for method, fn in steps_of.items():
                     out[(row, method)] += (tf_profile.profile(fn, args.profile),)
-    return out, reads, hvd.rank()
+    return out, reads, starts, hvd.rank()
 
 
 def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor):
@@ -254,9 +285,11 @@ def main(argv=None):
     if args.np < 2:
         ap.error(ONE_RANK)
     if args.worker:
-        results, reads, rank = (run_torch if args.worker == "torch" else run_tf)(args)
+        results, reads, starts, rank = (run_torch if args.worker == "torch" else run_tf)(args)
         if rank == 0:
             print(table(results, args.worker), flush=True)
+            if start_table(starts):
+                print("\n" + start_table(starts), flush=True)
             if reads:
                 print("\n" + stats_cost.table(results, reads, args.worker), flush=True)
             if args.profile and args.worker == "tensorflow":

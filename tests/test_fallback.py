@@ -269,3 +269,40 @@ def test_measured_allgather_pace_decides_a_close_bucket():
     extra = times(lay, N, "scatter", twice)[0] - times(lay, N, "scatter", once)[0]
     assert extra == pytest.approx(steptime.sent_bytes("scatter_allgather", N, u.bytes2) / rate)
     assert once.profile()["allgather_pace"] == 1.0 and twice.profile()["allgather_pace"] == 2.0
+
+
+def test_checked_candidates_and_schedule():
+    """The modes checked: the model's picks, then every bucket compressed and every bucket
+    plain where those differ from the picks; none beyond the picks where the model has one side
+    MARGIN times faster; the schedule takes them in turns, warmup rounds first."""
+    M, C, P = fallback.MODEL, fallback.COMPRESSED, fallback.PLAIN
+    assert fallback.candidates([False, False], 1.0, 1.2) == [M, P]
+    assert fallback.candidates([True, True], 1.0, 1.2) == [M, C]
+    assert fallback.candidates([True, False], 1.0, 1.2) == [M, C, P]
+    assert fallback.candidates([True, False], 1.0, 3.0) == [M]  # the model is sure
+    assert fallback.candidates([True, False], 3.0, 1.0) == [M]
+    assert fallback.candidates([True, False], 1.0, 2.9) == [M, C, P]
+    assert fallback.candidates([False], 1.0, 10.0, margin=float("inf")) == [M, P]
+    assert fallback.schedule([M]) == []  # nothing to check
+    assert fallback.schedule([M, P], 1, 2) == [M, P, M, P, M, P]
+    assert len(fallback.schedule([M, C, P])) + 2 == fallback.start_steps()
+    for pick in (False, True):
+        assert fallback.is_plain(M, pick) is pick
+        assert fallback.is_plain(C, pick) is False and fallback.is_plain(P, pick) is True
+
+
+def test_checked_medians_and_choice():
+    """Each mode's figure is the median of its timed steps (the warmup rounds and missing spans
+    left out); the fastest is kept, the model's pick unless another is faster by more than
+    TIE."""
+    M, C, P = fallback.MODEL, fallback.COMPRESSED, fallback.PLAIN
+    steps = fallback.schedule([M, P], 1, 3)
+    spans = [9.0, 9.0, 1.0, 2.0, 1.2, 2.1, 5.0, None]  # the first round is warmup
+    figures = fallback.medians(steps, spans, warmup=1)
+    assert figures[M] == pytest.approx(1.2) and figures[P] == pytest.approx(2.05)
+    assert np.isnan(figures[C])
+    assert fallback.choose(figures) == M
+    assert fallback.choose([2.0, float("nan"), 1.0]) == P
+    assert fallback.choose([1.0, float("nan"), 0.995]) == M  # within TIE: the model's pick
+    assert fallback.choose([float("nan"), 2.0, 1.0]) == P
+    assert fallback.choose([float("nan")] * 3) == M

@@ -168,6 +168,12 @@ MARGIN = 3.0  # not checked where the model has one side this many times faster 
 TIE = 0.01  # the model's pick is kept unless another candidate is faster by more than this
 
 
+def start_steps():
+    """Steps a job runs before its checked decision holds, at most: the model's step, the
+    longest schedule (every mode in turns) and the step that decides."""
+    return 2 + len(MODE_NAMES) * (WARMUP + SAMPLES)
+
+
 def is_plain(mode, pick):
     """Whether a bucket whose model pick is ``pick`` (plain or not) goes plain in ``mode``."""
     return pick if mode == MODEL else mode == PLAIN

@@ -17,7 +17,7 @@ from horovod_twobit import wire
 from horovod_twobit.state import checkpoint, options
 from horovod_twobit.state.fallback import decide, times, validate_fallback
 from horovod_twobit.tensorflow.residuals import Residuals, rank_size
-from horovod_twobit.tensorflow.stats import Slots, residual_norms
+from horovod_twobit.tensorflow.stats import Slots, residual_norms, state_variable
 from horovod_twobit.wire import layout, scatter as scatter_wire
 
 
@@ -53,6 +53,12 @@ class TwoBitState:
     def args_repr(self):
         """The arguments that differ from the defaults, as a constructor call spells them."""
         return options.args_repr(self)
+
+    @staticmethod
+    def variable(init):
+        """A variable of this state's own bookkeeping (the fallback's checks and flags), made
+        eagerly wherever it is asked for."""
+        return state_variable(init)
 
     def plain(self, layout, keys, process_set):
         """Whether the bucket of ``keys`` goes uncompressed with this process set (``fallback``):

@@ -140,10 +140,10 @@ class TwoBitState:
             from horovod_twobit.torch.exchange.link import Checker
             checker = self._checkers[key] = Checker(process_set)
         pick = decide(checker.picks, bucket.names, bucket.layout, n, exchange, self.fallback, link)
-        plain, step = checker.plain(bucket.key, pick,
-                                    lambda: times(bucket.layout, n, exchange, link()), started)
+        plain, check = checker.plain(bucket.key, pick,
+                                     lambda: times(bucket.layout, n, exchange, link()), started)
         self.decisions[(bucket.key, n)] = "plain" if plain else "compressed"
-        return plain, (checker, step)
+        return plain, check
 
     def link(self, process_set, device):
         """The measured :class:`horovod_twobit.state.fallback.Link` of this process set (rank
@@ -168,9 +168,9 @@ class TwoBitState:
         """What this compressor did, as a plain dict (see ``TwoBitCompressor.stats``)."""
         self.stats_reads += 1
         out = self.stats_log.snapshot(self._residual_norms, self.threshold, per_tensor)
-        checks = [c.summary() for c in self._checkers.values()]
-        if any(checks):
-            out["fallback_checks"] = [c for c in checks if c]
+        checks = [s for c in self._checkers.values() for s in c.summaries()]
+        if checks:
+            out["fallback_checks"] = checks
         if reset:
             self.stats_log.reset()
         return out

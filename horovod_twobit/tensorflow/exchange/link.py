@@ -16,7 +16,6 @@ import tensorflow as tf
 import horovod.tensorflow.mpi_ops as mpi_ops
 
 from horovod_twobit.state import fallback
-from horovod_twobit.tensorflow.stats import state_variable
 from horovod_twobit.state.fallback import BIG, Link, allgather_values, figures
 
 
@@ -98,12 +97,12 @@ class Check:
         state.checks_made += 1
         self.firsts = {}  # bucket key -> (model pick, modelled (compressed s, plain s))
         self.steps = None
-        self.count = state_variable(np.int64(0))
-        self.length = state_variable(np.int64(0))
-        self.sched = state_variable(np.zeros(_MAX_STEPS, np.int32))
-        self.spans = state_variable(np.full(_MAX_STEPS, np.nan))
-        self.chosen = state_variable(np.int32(fallback.MODEL))
-        self.figures = state_variable(np.full(len(fallback.MODE_NAMES), np.nan))
+        self.count = state.variable(np.int64(0))
+        self.length = state.variable(np.int64(0))
+        self.sched = state.variable(np.zeros(_MAX_STEPS, np.int32))
+        self.spans = state.variable(np.full(_MAX_STEPS, np.nan))
+        self.chosen = state.variable(np.int32(fallback.MODEL))
+        self.figures = state.variable(np.full(len(fallback.MODE_NAMES), np.nan))
         self.step = self.count.read_value()
         self.t0 = tf.timestamp()
         n = self.length.read_value()

@@ -18,7 +18,6 @@ import tensorflow as tf
 import horovod.tensorflow.mpi_ops as mpi_ops
 
 from horovod_twobit.tensorflow import codec
-from horovod_twobit.tensorflow.stats import state_variable
 from horovod_twobit.wire import scatter as scatter_wire
 
 
@@ -27,7 +26,7 @@ def zero_flag(state, keys):
     key = scatter_wire.owner_key(keys)
     flag = state.zero_flags.get(key)
     if flag is None:
-        flag = state.zero_flags[key] = state_variable(False)
+        flag = state.zero_flags[key] = state.variable(False)
     return flag
 
 

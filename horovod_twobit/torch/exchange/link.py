@@ -74,10 +74,13 @@ class Checker:
     """The checked decision of ``fallback="auto"`` (:mod:`horovod_twobit.state.fallback`) for
     one process set's buckets. Each bucket counts its own launches, so a launch's mode is a
     function of that count alone, the same on every rank: the model's pick at a bucket's first
-    launch, the schedule's modes in turns after it, then the mode rank 0's medians chose."""
+    launch, the schedule's modes in turns after it, then the mode rank 0's medians chose. A bucket
+    first seen after the schedule was made (a new tensor size, a new group) is checked anew, with
+    the others that first launch in the same step, by a later checker (:attr:`late`)."""
 
-    def __init__(self, process_set):
-        self.process_set = process_set
+    def __init__(self, process_set, generation=0):
+        self.process_set, self.generation = process_set, generation
+        self.late = None
         self.picks = {}  # the model's picks, fallback.decide's cache
         self.launches = {}  # bucket key -> its launches so far
         self.first = {}  # bucket key -> (model pick, modelled (compressed s, plain s))
@@ -90,8 +93,15 @@ class Checker:
 
     def plain(self, key, pick, times, started):
         """(Whether bucket ``key``, whose model pick is ``pick``, goes plain at this launch; the
-        launch's step). ``times()``: the model's (compressed, plain) seconds for the bucket;
-        ``started``: when its first member arrived (``time.perf_counter``)."""
+        checker that decided and the launch's step, for :meth:`finished`). ``times()``: the
+        model's (compressed, plain) seconds for the bucket; ``started``: when its first member
+        arrived (``time.perf_counter``)."""
+        with self._lock:
+            late = key not in self.first and self.steps is not None
+            if late and self.late is None:
+                self.late = Checker(self.process_set, self.generation + 1)
+        if late:
+            return self.late.plain(key, pick, times, started)
         with self._lock:
             k = self.launches.get(key, 0)
             self.launches[key] = k + 1
@@ -112,7 +122,7 @@ class Checker:
             mode = self.steps[k - 1]
         else:
             mode = self.chosen
-        return fallback.is_plain(mode, pick), k
+        return fallback.is_plain(mode, pick), (self, k)
 
     def finished(self, step):
         """A flight of ``step`` has returned its results."""
@@ -135,17 +145,19 @@ class Checker:
             figures = fallback.medians(steps, spans)
             if self.process_set.size() > 1:
                 figures = mpi_ops.broadcast(torch.tensor(figures, dtype=torch.float64), 0,
-                                            name="twobit.fallback.checked",
+                                            name="twobit.fallback.checked.%d" % self.generation,
                                             process_set=self.process_set).tolist()
             self.figures = figures
             chosen = fallback.choose(figures)
             fallback.log_checked("%d buckets" % len(self.first), len(steps), figures, chosen)
             self.chosen = chosen
 
+    def summaries(self):
+        """The checks for the stats, this one's and its later checkers', once decided."""
+        mine = [self.summary()] if self.chosen is not None else []
+        return mine + (self.late.summaries() if self.late is not None else [])
+
     def summary(self):
-        """The check for the stats: None until decided."""
-        if self.chosen is None:
-            return None
         return {"steps": len(self.steps or ()), "kept": fallback.MODE_NAMES[self.chosen],
                 "median_span_ms": {fallback.MODE_NAMES[m]: 1e3 * s
                                    for m, s in enumerate(self.figures or ()) if s == s}}
