@@ -306,3 +306,57 @@ def test_checked_medians_and_choice():
     assert fallback.choose([1.0, float("nan"), 0.995]) == M  # within TIE: the model's pick
     assert fallback.choose([float("nan"), 2.0, 1.0]) == P
     assert fallback.choose([float("nan")] * 3) == M
+
+
+def test_torch_checker_follows_each_buckets_launches(monkeypatch):
+    """PyTorch's checker on one rank: each bucket's mode is a function of its own launch count
+    (the model's pick, the schedule, the mode kept); spans from the first arrival to the last
+    finish of each step decide; a bucket first seen after the schedule was made is checked anew
+    by a later checker, while the others keep their mode."""
+    pytest.importorskip("horovod.torch")
+    from horovod_twobit.torch.exchange.link import Checker
+    monkeypatch.setattr(fallback, "WARMUP", 0)
+    monkeypatch.setattr(fallback, "SAMPLES", 2)
+    clock = [0.0]
+    monkeypatch.setattr("time.perf_counter", lambda: clock[0])
+
+    class OneRank:
+        def size(self):
+            return 1
+
+    checker = Checker(OneRank())
+    picks = {"a": False, "b": True}  # a compressed, b plain: three modes to check
+    times = lambda: (1.0, 1.0)  # noqa: E731
+    # the span each mode's steps take: plain fastest
+    cost = {fallback.MODEL: 3.0, fallback.COMPRESSED: 5.0, fallback.PLAIN: 1.0}
+    seen = []
+
+    def step(keys, mode_of):
+        start = clock[0]
+        got = {}
+        for k in keys:
+            plain, (who, n) = checker.plain(k, picks[k], times, start)
+            got[k] = plain
+            clock[0] = start + cost[mode_of(n)]
+            who.finished(n)
+        seen.append(got)
+        clock[0] += 10.0  # whatever runs between steps does not count
+        return got
+
+    sched = fallback.schedule([fallback.MODEL, fallback.COMPRESSED, fallback.PLAIN])
+    assert step("ab", lambda n: fallback.MODEL) == {"a": False, "b": True}
+    for s, mode in enumerate(sched, start=1):
+        want = {k: fallback.is_plain(mode, picks[k]) for k in "ab"}
+        assert step("ab", lambda n: sched[n - 1]) == want, s
+    assert step("ab", lambda n: fallback.PLAIN) == {"a": True, "b": True}  # plain kept
+    assert checker.summary()["kept"] == "plain"
+    assert checker.summary()["median_span_ms"]["plain"] == pytest.approx(1e3)
+    # a new bucket: checked anew on its own launches (a compressed pick: model and plain)
+    picks["c"] = False
+    late = fallback.schedule([fallback.MODEL, fallback.PLAIN])
+    assert step("abc", lambda n: fallback.PLAIN)["c"] is False  # its model pick first
+    for s, mode in enumerate(late, start=1):
+        got = step("abc", lambda n: mode)
+        assert got == {"a": True, "b": True, "c": fallback.is_plain(mode, False)}, s
+    assert step("abc", lambda n: fallback.PLAIN) == {"a": True, "b": True, "c": True}
+    assert [s["kept"] for s in checker.summaries()] == ["plain", "plain"]
