@@ -192,11 +192,12 @@ FAULTS = ((0, 0, 2, NAN), (0, 1, 5, INF), (1, 2, 7, -INF), (1, 0, 3, NAN))
 CASES = {
     # fixed threshold: a tensor alone (odd sizes, several programs), 1, 2 and 3 ranks, the
     # divisor 1, 2 or 3 and a scale; written over the gradient or into a new tensor
-    "fixed_single": lambda: [allgather_case([n], 0.5, N, op=op, scale=sc, into=into)
-                             for n, N, op, sc, into in [(1, 1, "average", 1.0, False),
-                                                        (17, 2, "sum", 0.37, True),
-                                                        (4099, 3, "average", 1.0, False),
-                                                        (9000, 2, "average", 2.5, True)]],
+    # (0.1 and 0.37 have every significant bit set: the order of / divisor, * scale shows)
+    "fixed_single": lambda: [allgather_case([n], t, N, op=op, scale=sc, into=into)
+                             for n, t, N, op, sc, into in [(1, 0.5, 1, "average", 1.0, False),
+                                                           (17, 0.5, 2, "sum", 0.37, True),
+                                                           (4099, 0.1, 3, "average", 0.37, False),
+                                                           (9000, 0.5, 2, "average", 2.5, True)]],
     "fixed_bucket": lambda: [allgather_case(BUCKET, t, N, op=op, scale=sc)
                              for t, N, op, sc in [(0.5, 2, "average", 1.0), (0.05, 3, "sum", 0.7)]],
     # NaN and +-Inf in members of a bucket on some ranks: NaN there, residuals kept, the rest as
@@ -205,9 +206,12 @@ CASES = {
                                          blocks=bs) for t, into, b, bs in
                           [(0.5, False, None, None), ("auto", True, 256, 4)]]
                          + [allgather_case([1000], 0.5, 2, faults=((0, 1, 0, -INF),))],
+    # (1 + 2^-7 + 2^-8: its multiples / 2 * 0.5 lie half-way between two bfloat16 values, so
+    # the rounding's ties show)
     "half": lambda: [allgather_case(BUCKET, t, 2, dtype=d, scale=0.5, steps=1 + (t != "auto"),
                                     block=b, blocks=bs)
-                     for t, b, bs in [(0.05, None, None), ("auto", 256, 4)]
+                     for t, b, bs in [(0.05, None, None), (1.01171875, None, None),
+                                      ("auto", 256, 4)]
                      for d in ("float16", "bfloat16")],
     # "auto", lsq in the kernels: one block, blocks of a member, segments cut into several chunks
     "auto_single": lambda: [allgather_case([n], "auto", N, block=b, blocks=bs, op=op, scale=sc)
