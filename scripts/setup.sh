@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up everything horovod-twobit needs, from a fresh Debian 12 machine with Python >= 3.10:
-# Debian packages, a virtual environment in .venv/, PyTorch 2.13.0 (CPU) and Triton 3.7.1, TensorFlow
-# 2.15.1 (CPU), mpi4py built against the system's OpenMPI, Horovod 0.28.1 built from its sdist (patched from C++14
-# to C++17 so it compiles against torch >= 2.1) and this package in editable mode.
+# Debian packages, a virtual environment in .venv/, PyTorch 2.13.0 (CPU) and Triton 3.7.1,
+# TensorFlow 2.15.1 (CPU), mpi4py built against the system's OpenMPI, Horovod 0.28.1 built from its
+# sdist (patched from C++14 to C++17 so it compiles against torch >= 2.1) and this package in
+# editable mode.
 #
 # The Horovod and mpi4py wheels are cached under $HOROVOD_TWOBIT_CACHE (default ~/.cache/horovod-twobit),
 # keyed by every version they were built against, so a rerun with nothing changed takes well under a
