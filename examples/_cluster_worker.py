@@ -194,6 +194,15 @@ def horovod_setup(args, methods):
     return runs, hvd.rank(), hvd.size(), barrier
 
 
+def warmup_steps(method, warmup):
+    """Untimed steps of ``method``: ``warmup``, or with ``fallback="auto"`` at least the steps
+    its checked decision may take, so that the timed steps are the mode it kept."""
+    if method.endswith("_fallback"):
+        from horovod_twobit.state import fallback
+        return max(warmup, fallback.start_steps())
+    return warmup
+
+
 def fallback_record(compression):
     """What a ``TwoBitCompressor(..., fallback=...)`` decided, per bucket ("compressed" or
     "plain"), and the links it measured (their reprs); None for other compressions."""
@@ -201,7 +210,8 @@ def fallback_record(compression):
     if not decisions:
         return None
     return {"decisions": {"%s, %d ranks" % key: got for key, got in decisions.items()},
-            "links": [repr(link) for link in getattr(compression, "_links", {}).values()]}
+            "links": [repr(link) for link in getattr(compression, "_links", {}).values()],
+            "checks": compression.stats().get("fallback_checks")}
 
 
 def dilation():
@@ -325,10 +335,11 @@ def worker(args):
 
     loss0 = eval_loss(runs[0][1], runs[0][3])
     for run in runs:
-        for i in range(args.warmup):
+        warmup = warmup_steps(run[0], args.warmup)
+        for i in range(warmup):
             t0 = time.perf_counter()
             step(run, i)
-            progress(rank, "%s warm-up step %d/%d: %.2f s" % (run[0], i + 1, args.warmup,
+            progress(rank, "%s warm-up step %d/%d: %.2f s" % (run[0], i + 1, warmup,
                                                               time.perf_counter() - t0))
     barrier()
     for i in range(args.warmup, args.warmup + args.steps):
