@@ -313,18 +313,13 @@ def test_torch_checker_follows_each_buckets_launches(monkeypatch):
     (the model's pick, the schedule, the mode kept); spans from the first arrival to the last
     finish of each step decide; a bucket first seen after the schedule was made is checked anew
     by a later checker, while the others keep their mode."""
-    pytest.importorskip("horovod.torch")
-    from horovod_twobit.torch.exchange.link import Checker
+    from horovod_twobit.torch.exchange.checked import Checker
     monkeypatch.setattr(fallback, "WARMUP", 0)
     monkeypatch.setattr(fallback, "SAMPLES", 2)
     clock = [0.0]
     monkeypatch.setattr("time.perf_counter", lambda: clock[0])
 
-    class OneRank:
-        def size(self):
-            return 1
-
-    checker = Checker(OneRank())
+    checker = Checker(1, None)
     picks = {"a": False, "b": True}  # a compressed, b plain: three modes to check
     times = lambda: (1.0, 1.0)  # noqa: E731
     # the span each mode's steps take: plain fastest

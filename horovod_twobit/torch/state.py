@@ -137,8 +137,8 @@ class TwoBitState:
         key = (process_set.process_set_id, n)
         checker = self._checkers.get(key)
         if checker is None:
-            from horovod_twobit.torch.exchange.link import Checker
-            checker = self._checkers[key] = Checker(process_set)
+            from horovod_twobit.torch.exchange.checked import Checker
+            checker = self._checkers[key] = Checker(n, self.broadcaster(process_set))
         pick = decide(checker.picks, bucket.names, bucket.layout, n, exchange, self.fallback, link)
         plain, check = checker.plain(bucket.key, pick,
                                      lambda: times(bucket.layout, n, exchange, link()), started)
@@ -150,9 +150,19 @@ class TwoBitState:
         0's figures, broadcast), measured on first use."""
         key = (process_set.process_set_id, process_set.size())
         if key not in self._links:
-            from horovod_twobit.torch.exchange.link import measure
-            self._links[key] = measure(process_set, device, self.threshold)
+            self._links[key] = self.measure(process_set, device)
         return self._links[key]
+
+    def measure(self, process_set, device):
+        """A :class:`~horovod_twobit.state.fallback.Link` measured through Horovod."""
+        from horovod_twobit.torch.exchange.link import measure
+        return measure(process_set, device, self.threshold)
+
+    @staticmethod
+    def broadcaster(process_set):
+        """``broadcast(floats, name)``: rank 0's floats, through Horovod."""
+        from horovod_twobit.torch.exchange.link import broadcaster
+        return broadcaster(process_set)
 
     # ------------------------------------------------------------------ residuals
     def owner_residual(self, key, numel, device, rank, size):

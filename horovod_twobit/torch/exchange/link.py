@@ -1,18 +1,14 @@
 """The fallback's measurements (:mod:`horovod_twobit.state.fallback`), the step-time model's inputs for
 its per-bucket decision: the link, by timed allreduces and allgathers of known size through
-Horovod, and the codec rate, by one encode and the decode-sum of N payloads of known size on this
-device; rank 0's figures are broadcast, so every rank decides alike."""
-
-import threading
-import time
+Horovod, and the codec rate (:func:`.checked.codec_seconds`); rank 0's figures are broadcast, so
+every rank decides alike."""
 
 import torch
 
 import horovod.torch.mpi_ops as mpi_ops
 
-from horovod_twobit.state import fallback
 from horovod_twobit.state.fallback import BIG, Link, allgather_values, figures
-from horovod_twobit.wire.layout import Layout
+from horovod_twobit.torch.exchange.checked import codec_seconds
 
 
 def _allreduce(process_set, device):
@@ -38,126 +34,18 @@ def _allgather(process_set, device):
     return run
 
 
-def _codec_seconds(device, threshold, nranks, values):
-    """Seconds of a step's codec work on ``values`` values: one encode, and the decode-sum of
-    ``nranks`` payloads (this rank's, repeated, in the place of the gathered ones)."""
-    from horovod_twobit.torch import codec
-    layout = Layout([values], threshold == "auto")
-    g = torch.randn(values, device=device)
-    r = torch.zeros(values, device=device)
-    payload = torch.empty(layout.payload_words, dtype=torch.int32, device=device)
-    best = float("inf")
-    for _ in range(3 if values >= BIG else 7):  # the first small one may compile
-        g2 = g.clone()
-        t0 = time.perf_counter()
-        t, v = codec.encode_payload(layout, r, g2, threshold, "lsq", payload)
-        codec.finish_payload(layout, payload.repeat(max(nranks, 1)), max(nranks, 1),
-                             ["twobit.link"], r, g2, t, v, nranks, 1.0)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure(process_set, device, threshold):
     """A :class:`Link` of ``process_set`` from rank 0's measurements."""
     N = process_set.size()
     got = figures(N, _allreduce(process_set, device),
-                  lambda n: _codec_seconds(device, threshold, N, n),
+                  lambda n: codec_seconds(device, threshold, N, n),
                   allgather=_allgather(process_set, device) if N > 1 else None)
-    got = mpi_ops.broadcast(torch.tensor(got, dtype=torch.float64), 0,
-                            name="twobit.link.figures", process_set=process_set)
-    return Link(*got.tolist())
+    return Link(*broadcaster(process_set)(got, "twobit.link.figures"))
 
 
-class Checker:
-    """The checked decision of ``fallback="auto"`` (:mod:`horovod_twobit.state.fallback`) for
-    one process set's buckets. Each bucket counts its own launches, so a launch's mode is a
-    function of that count alone, the same on every rank: the model's pick at a bucket's first
-    launch, the schedule's modes in turns after it, then the mode rank 0's medians chose. A bucket
-    first seen after the schedule was made (a new tensor size, a new group) is checked anew, with
-    the others that first launch in the same step, by a later checker (:attr:`late`)."""
-
-    def __init__(self, process_set, generation=0):
-        self.process_set, self.generation = process_set, generation
-        self.late = None
-        self.picks = {}  # the model's picks, fallback.decide's cache
-        self.launches = {}  # bucket key -> its launches so far
-        self.first = {}  # bucket key -> (model pick, modelled (compressed s, plain s))
-        self.steps = None  # the schedule, made at the first bucket's second launch
-        self.starts, self.ends = {}, {}  # checked step -> its first start, its last finish
-        self.chosen = None
-        self.figures = None  # rank 0's median span per mode
-        self._lock = threading.Lock()
-        self._deciding = threading.Lock()
-
-    def plain(self, key, pick, times, started):
-        """(Whether bucket ``key``, whose model pick is ``pick``, goes plain at this launch; the
-        checker that decided and the launch's step, for :meth:`finished`). ``times()``: the
-        model's (compressed, plain) seconds for the bucket; ``started``: when its first member
-        arrived (``time.perf_counter``)."""
-        with self._lock:
-            late = key not in self.first and self.steps is not None
-            if late and self.late is None:
-                self.late = Checker(self.process_set, self.generation + 1)
-        if late:
-            return self.late.plain(key, pick, times, started)
-        with self._lock:
-            k = self.launches.get(key, 0)
-            self.launches[key] = k + 1
-            if k == 0:
-                self.first[key] = (pick, times())
-            elif self.steps is None:  # every bucket of step 0 has launched
-                firsts = list(self.first.values())
-                self.steps = fallback.schedule(fallback.candidates(
-                    [p for p, _ in firsts], sum(t[0] for _, t in firsts),
-                    sum(t[1] for _, t in firsts)))
-            if 1 <= k <= len(self.steps or ()):
-                self.starts[k] = min(self.starts.get(k, float("inf")), started)
-        if self.steps is not None and k > len(self.steps) and self.chosen is None:
-            self._decide()  # the first launch after the schedule, on every rank
-        if k == 0:
-            mode = fallback.MODEL
-        elif k <= len(self.steps):
-            mode = self.steps[k - 1]
-        else:
-            mode = self.chosen
-        return fallback.is_plain(mode, pick), (self, k)
-
-    def finished(self, step):
-        """A flight of ``step`` has returned its results."""
-        if 1 <= step <= len(self.steps or ()):
-            now = time.perf_counter()
-            with self._lock:
-                self.ends[step] = max(self.ends.get(step, 0.0), now)
-
-    def _decide(self):
-        with self._deciding:
-            if self.chosen is not None:
-                return
-            steps = self.steps
-            if not steps:
-                self.chosen = fallback.MODEL
-                return
-            with self._lock:
-                spans = [self.ends[j] - self.starts[j] if j in self.ends and j in self.starts
-                         else None for j in range(1, len(steps) + 1)]
-            figures = fallback.medians(steps, spans)
-            if self.process_set.size() > 1:
-                figures = mpi_ops.broadcast(torch.tensor(figures, dtype=torch.float64), 0,
-                                            name="twobit.fallback.checked.%d" % self.generation,
-                                            process_set=self.process_set).tolist()
-            self.figures = figures
-            chosen = fallback.choose(figures)
-            fallback.log_checked("%d buckets" % len(self.first), len(steps), figures, chosen)
-            self.chosen = chosen
-
-    def summaries(self):
-        """The checks for the stats, this one's and its later checkers', once decided."""
-        mine = [self.summary()] if self.chosen is not None else []
-        return mine + (self.late.summaries() if self.late is not None else [])
-
-    def summary(self):
-        return {"steps": len(self.steps or ()), "kept": fallback.MODE_NAMES[self.chosen],
-                "median_span_ms": {fallback.MODE_NAMES[m]: 1e3 * s
-                                   for m, s in enumerate(self.figures or ()) if s == s}}
+def broadcaster(process_set):
+    """``broadcast(floats, name)``: rank 0's floats on every rank of ``process_set``."""
+    def broadcast(values, name):
+        return mpi_ops.broadcast(torch.tensor(values, dtype=torch.float64), 0, name=name,
+                                 process_set=process_set).tolist()
+    return broadcast
