@@ -14,6 +14,7 @@ rank) and writes a PNG of the learning curves.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -70,42 +71,101 @@ def payload_bytes(model, method):
 
 
 def make_optimizer(model, kind, params, method):
-    opt = torch.optim.Adam(model.parameters(), **params) if kind == "adam" else \
-        torch.optim.SGD(model.parameters(), **params)
-    return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+    return hvd.DistributedOptimizer(base_optimizer(model, kind, params),
+                                    named_parameters=model.named_parameters(),
                                     compression=compression_of(method))
+
+
+# ----------------------------------------------------------------- shared by both models
+# (examples/time_to_accuracy.py trains the same models, data and schedule under DDP, and
+# examples/bench_cluster.py times their steps)
+
+MLP_BATCH = 32
+LSTM_SEQ, LSTM_BATCH = 64, 32
+LSTM_CLIP = 1.0
+
+
+def updater(opt, clip=None, synchronize=False):
+    """update(loss_fn): zero the gradients, loss_fn() (the forward pass), backward, exchange,
+    clip the gradient norm to ``clip`` (if any) and step. ``synchronize``: ``opt`` is Horovod's
+    DistributedOptimizer, whose exchange has to finish before clipping; under DDP the backward
+    pass exchanges."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+
+    def update(loss_fn):
+        opt.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        stepping = contextlib.nullcontext()
+        if clip is not None:
+            if synchronize:
+                opt.synchronize()
+                stepping = opt.skip_synchronize()
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        with stepping:
+            opt.step()
+        return loss
+    return update
+
+
+def base_optimizer(model, kind, params):
+    return torch.optim.Adam(model.parameters(), **params) if kind == "adam" else \
+        torch.optim.SGD(model.parameters(), **params)
 
 
 # ----------------------------------------------------------------- digits MLP
 
-def digits_data():
+def digits_data(rank=None, size=None):
+    """(train x, train y) of this rank's share (every size-th sample from rank), and the whole
+    test set; rank and size default to Horovod's."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32)
     xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank() if rank is None else rank
+    n = hvd.size() if size is None else size
     return (torch.from_numpy(xtr[r::n]), torch.from_numpy(ytr[r::n]),
             torch.from_numpy(xte), torch.from_numpy(yte))
 
 
-def run_mlp(kind, method, args):
-    xtr, ytr, xte, yte = digits_data()
-    torch.manual_seed(args.seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    opt = make_optimizer(model, kind, OPTIMIZERS["mlp"][kind], method)
-    g = torch.Generator().manual_seed(args.seed + hvd.rank())
-    curve = []
-    for _ in range(args.mlp_epochs):
-        perm = torch.randperm(len(xtr), generator=g)
-        for s in range(0, len(xtr), 32):
-            idx = perm[s:s + 32]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            opt.step()
+def mlp_net():
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def train_mlp(forward, update, data, epochs, seed, rank, eval_every=None, evaluate=None):
+    """Trains ``epochs`` epochs of batches of MLP_BATCH from this rank's share, shuffled per
+    epoch (``forward``: the model, or DDP's wrapper of it). Returns [(step, test accuracy of
+    the module ``evaluate``)] after every epoch, or every ``eval_every`` steps; empty where
+    ``evaluate`` is None."""
+    xtr, ytr, xte, yte = data
+    g = torch.Generator().manual_seed(seed + rank)
+    curve, step = [], 0
+
+    def accuracy():
         with torch.no_grad():
-            curve.append(float((model(xte).argmax(1) == yte).float().mean()))
-    return curve, payload_bytes(model, method)
+            return float((evaluate(xte).argmax(1) == yte).float().mean())
+    for _ in range(epochs):
+        perm = torch.randperm(len(xtr), generator=g)
+        for s in range(0, len(xtr), MLP_BATCH):
+            idx = perm[s:s + MLP_BATCH]
+            update(lambda: torch.nn.functional.cross_entropy(forward(xtr[idx]), ytr[idx]))
+            step += 1
+            if evaluate is not None and eval_every and step % eval_every == 0:
+                curve.append((step, accuracy()))
+        if evaluate is not None and not eval_every:
+            curve.append((step, accuracy()))
+    return curve
+
+
+def run_mlp(kind, method, args):
+    data = digits_data()
+    torch.manual_seed(args.seed)
+    model = mlp_net()
+    opt = make_optimizer(model, kind, OPTIMIZERS["mlp"][kind], method)
+    curve = train_mlp(model, updater(opt), data, args.mlp_epochs, args.seed, hvd.rank(),
+                      evaluate=model)
+    return [v for _, v in curve], payload_bytes(model, method)
 
 
 # ----------------------------------------------------------------- char-LSTM
@@ -130,33 +190,43 @@ def text_data():
     return ids[:cut], ids[cut:], len(chars)
 
 
-def run_lstm(kind, method, args):
-    train, val, vocab = text_data()
-    torch.manual_seed(args.seed)
-    model = CharLSTM(vocab)
-    opt = make_optimizer(model, kind, OPTIMIZERS["lstm"][kind], method)
-    seq, batch = 64, 32
-    g = torch.Generator().manual_seed(args.seed + hvd.rank())
-    vstarts = torch.arange(0, len(val) - seq - 1, (len(val) - seq - 1) // 64)[:64]
-    vx = torch.stack([val[s:s + seq] for s in vstarts])
-    vy = torch.stack([val[s + 1:s + seq + 1] for s in vstarts])
+def lstm_batch(ids, starts):
+    """(inputs, next characters) of the sequences of LSTM_SEQ characters at ``starts``."""
+    return (torch.stack([ids[s:s + LSTM_SEQ] for s in starts]),
+            torch.stack([ids[s + 1:s + LSTM_SEQ + 1] for s in starts]))
+
+
+def lstm_loss(out, y):
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def train_lstm(forward, update, data, steps, seed, rank, eval_every, evaluate=None):
+    """Trains ``steps`` steps of LSTM_BATCH random sequences per rank. Returns [(step,
+    validation loss of the module ``evaluate``)] every ``eval_every`` steps and after the last;
+    empty where ``evaluate`` is None."""
+    train, val, vocab = data
+    g = torch.Generator().manual_seed(seed + rank)
+    vx, vy = lstm_batch(val, torch.arange(0, len(val) - LSTM_SEQ - 1,
+                                          (len(val) - LSTM_SEQ - 1) // 64)[:64])
     curve = []
-    for step in range(1, args.lstm_steps + 1):
-        starts = torch.randint(0, len(train) - seq - 1, (batch,), generator=g)
-        x = torch.stack([train[s:s + seq] for s in starts])
-        y = torch.stack([train[s + 1:s + seq + 1] for s in starts])
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
-        loss.backward()
-        opt.synchronize()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        with opt.skip_synchronize():
-            opt.step()
-        if step % args.eval_every == 0 or step == args.lstm_steps:
+    for step in range(1, steps + 1):
+        x, y = lstm_batch(train, torch.randint(0, len(train) - LSTM_SEQ - 1, (LSTM_BATCH,),
+                                               generator=g))
+        update(lambda: lstm_loss(forward(x), y))
+        if evaluate is not None and (step % eval_every == 0 or step == steps):
             with torch.no_grad():
-                curve.append(float(torch.nn.functional.cross_entropy(
-                    model(vx).reshape(-1, vocab), vy.reshape(-1))))
-    return curve, payload_bytes(model, method)
+                curve.append((step, float(lstm_loss(evaluate(vx), vy))))
+    return curve
+
+
+def run_lstm(kind, method, args):
+    data = text_data()
+    torch.manual_seed(args.seed)
+    model = CharLSTM(data[2])
+    opt = make_optimizer(model, kind, OPTIMIZERS["lstm"][kind], method)
+    curve = train_lstm(model, updater(opt, LSTM_CLIP, synchronize=True), data, args.lstm_steps,
+                       args.seed, hvd.rank(), args.eval_every, evaluate=model)
+    return [v for _, v in curve], payload_bytes(model, method)
 
 
 # ----------------------------------------------------------------- main
