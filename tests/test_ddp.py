@@ -55,14 +55,15 @@ def _plain(local, nranks):
 @pytest.mark.slow
 @pytest.mark.parametrize("nranks,threshold,modes", [
     (2, 0.05, "nosync,unused"), (2, 0.05, "scatter,min=10,nosync,fault=inf"),
-    (3, "auto", "view,static,xauto,min=10,fault=-inf")])
+    (3, "auto", "view,static,xauto,min=10,fault=-inf"),
+    (2, "auto", "scatter,fallback=checked")])
 def test_ddp_hook_matches_the_reference(tmp_path, nranks, threshold, modes):
     out = _run(tmp_path, nranks, threshold, modes)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ranks = [dict(np.load(os.path.join(tmp_path, "rank%d.npz" % r))) for r in range(nranks)]
     exchange, min_numel = _options(modes)
     w = ref.Workers(nranks, threshold, exchange=exchange)
-    seen_layouts, exchanges = set(), set()
+    seen_layouts, exchanges, modes_seen = set(), set(), set()
     for step in range(STEPS):
         nb = int(ranks[0]["buckets/%d" % step])
         assert all(int(r["buckets/%d" % step]) == nb for r in ranks)
@@ -73,9 +74,12 @@ def test_ddp_hook_matches_the_reference(tmp_path, nranks, threshold, modes):
         for g in groups:
             local = {n: [r["local/%d/%s" % (step, n)] for r in ranks] for n in g}
             packed = [n for n in g if local[n][0].size >= min_numel]
-            want = dict(zip(packed, w.bucket(packed, [[local[n][q] for n in packed]
-                                                      for q in range(nranks)]) if packed else []))
-            if packed:
+            mode = _decided(ranks, step, packed)
+            modes_seen.add(mode)
+            replay = w.plain if mode == "plain" else w.bucket
+            want = dict(zip(packed, replay(packed, [[local[n][q] for n in packed]
+                                                    for q in range(nranks)]) if packed else []))
+            if packed and mode != "plain":
                 layout = _layout([local[n][0].size for n in packed], threshold)
                 exchanges.add(scatter_wire.choose(exchange, layout, nranks))
             for n in g:
@@ -105,6 +109,10 @@ def test_ddp_hook_matches_the_reference(tmp_path, nranks, threshold, modes):
     if "unused" not in modes:  # (DDP keeps its first buckets when it looks for unused ones)
         assert len(seen_layouts) > 1  # DDP rebuilt its buckets: the residuals followed the names
     assert exchanges == ({"allgather", "scatter"} if exchange == "auto" else {exchange})
+    if "fallback=checked" in modes:  # both paths ran, and rank 0's medians chose for all
+        assert modes_seen == {"plain", "compressed"}, modes_seen
+        checks = [json.loads(str(r["checks"])) for r in ranks]
+        assert checks[0] and all(c == checks[0] for c in checks), checks
     for k in ranks[0]:
         if k.startswith("w/"):
             assert np.isfinite(ranks[0][k]).all()
@@ -112,12 +120,23 @@ def test_ddp_hook_matches_the_reference(tmp_path, nranks, threshold, modes):
                 np.testing.assert_array_equal(r[k], ranks[0][k])
     for rank, r in enumerate(ranks):
         assert int(r["stats_nan_steps"]) == 1 and int(r["stats_bytes"]) > 0
-        _check_stats(json.loads(str(r["stats"])), groups, ranks[0], min_numel, threshold,
-                     exchange, nranks, rank)
+        if "fallback" not in modes:  # (the fallback's last step may have gone plain)
+            _check_stats(json.loads(str(r["stats"])), groups, ranks[0], min_numel, threshold,
+                         exchange, nranks, rank)
     if "unused" in modes:  # the layer used on even steps only: its gradient was zero on odd ones
         for step in range(1, STEPS, 2):
             assert not ranks[0]["local/%d/extra.weight" % step].any()
         assert ranks[0]["local/0/extra.weight"].any()
+
+
+def _decided(ranks, step, packed):
+    """The fallback's mode for the bucket of ``packed`` at ``step``, the same on every rank
+    ("compressed" without the fallback)."""
+    if "decided/%d" % step not in ranks[0] or not packed:
+        return "compressed"
+    got = [json.loads(str(r["decided/%d" % step]))[scatter_wire.owner_key(packed)] for r in ranks]
+    assert all(d == got[0] for d in got), got
+    return got[0]
 
 
 def _check_stats(st, groups, rec, min_numel, threshold, exchange, nranks, rank):
@@ -156,9 +175,7 @@ def test_ddp_mismatched_thresholds_raise_on_every_rank(tmp_path, modes):
 
 def test_ddp_state_refuses_what_it_cannot_do():
     from horovod_twobit.torch import ddp
-    with pytest.raises(ValueError, match="no fallback.*fallback=None"):
-        ddp.TwoBitState(0.5, fallback="auto")
-    for kw in ({"exchange": "both"}, {"min_numel": -1}):
+    for kw in ({"exchange": "both"}, {"min_numel": -1}, {"fallback": "sometimes"}):
         with pytest.raises(ValueError):
             ddp.TwoBitState(0.5, **kw)
     with pytest.raises(ValueError, match="threshold"):

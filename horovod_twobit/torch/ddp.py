@@ -36,16 +36,23 @@ rank and keeps its residual. Residuals are keyed by parameter name
 (:meth:`TwoBitState.name_parameters`), so they follow a parameter when DDP rebuilds its buckets
 after the first iteration, and ``state.state_dict()`` saves them by name, per rank, with the
 scatter owners' residuals, as :class:`horovod_twobit.torch.TwoBitCompressor` does.
-``state.stats()`` gives ``TwoBitCompressor.stats()``'s fields. ``fallback`` is not supported.
+``state.stats()`` gives ``TwoBitCompressor.stats()``'s fields. ``fallback="auto"`` /
+``"always"`` send a bucket's compressed members uncompressed where compression would not pay, as
+``TwoBitCompressor`` does (:mod:`horovod_twobit.state.fallback`): the link measured with
+``torch.distributed``'s collectives, the model's pick checked on the first steps; the bucket's
+g + r go through one ``all_reduce``, divided by the number of ranks.
 """
+
+import time
 
 import torch
 import torch.distributed as dist
 
-from horovod_twobit.state import stats
+from horovod_twobit.state import fallback, stats
 from horovod_twobit.torch import codec, state as _state
 from horovod_twobit.torch.codec import owner as owner_codec, scatter as scatter_codec
 from horovod_twobit.torch.codec import stats as stats_read
+from horovod_twobit.torch.exchange import checked
 from horovod_twobit.wire.layout import Layout
 from horovod_twobit.wire import scatter as scatter_wire
 
@@ -57,12 +64,9 @@ class TwoBitState(_state.TwoBitState):
 
     def __init__(self, threshold=0.5, process_group=None, *, rule=None, block=None, blocks=None,
                  min_numel=0, exchange="allgather", fallback=None):
-        if fallback is not None:
-            raise ValueError("the DDP hook has no fallback (got fallback=%r): pass fallback=None, "
-                             "or register DDP's own hook where compression does not pay"
-                             % (fallback,))
         super().__init__(threshold, min_numel=min_numel, rule=rule, block=block, blocks=blocks,
-                         bucket_bytes=0, exchange=exchange, rank_size=self._dist_rank_size)
+                         bucket_bytes=0, exchange=exchange, fallback=fallback,
+                         rank_size=self._dist_rank_size)
         self.process_group = process_group
         self.names = {}  # id(parameter) -> its name
         self._ddp_buckets = {}  # the members' names -> _Bucket
@@ -72,6 +76,35 @@ class TwoBitState(_state.TwoBitState):
         if not dist.is_available() or not dist.is_initialized():
             return 0, 1
         return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+
+    # ------------------------------------------------------------ the fallback's collectives
+    def measure(self, group, device):
+        """The fallback's :class:`~horovod_twobit.state.fallback.Link`, measured with
+        ``torch.distributed``'s collectives as the Horovod path measures it with Horovod's."""
+        pg, N = self.process_group, group.size()
+        xs = {n: torch.zeros(n, dtype=torch.float32, device=device)
+              for n in (1, fallback.BIG, fallback.allgather_values(N))}
+
+        def allreduce(values, i):
+            dist.all_reduce(xs[values], group=pg)
+
+        def allgather(values, i):
+            dist.all_gather([torch.empty_like(xs[values]) for _ in range(N)], xs[values],
+                            group=pg)
+        got = fallback.figures(N, allreduce, lambda n: checked.codec_seconds(
+            device, self.threshold, N, n), allgather=allgather if N > 1 else None)
+        return fallback.Link(*self.broadcaster(group, device)(got, "twobit.link.figures"))
+
+    def broadcaster(self, group, device=None):
+        """``broadcast(floats, name)``: the group's first rank's floats, on every rank."""
+        pg = self.process_group
+
+        def broadcast(values, name):
+            x = torch.tensor(values, dtype=torch.float64, device=device)
+            src = 0 if pg is None else dist.get_global_rank(pg, 0)
+            dist.broadcast(x, src, group=pg)
+            return x.tolist()
+        return broadcast
 
     def name_parameters(self, named_parameters):
         """Names the residuals: ``named_parameters`` as ``model.named_parameters()`` gives them
@@ -104,6 +137,18 @@ class TwoBitState(_state.TwoBitState):
                 log._last.pop(old.key, None)
 
 
+class _Group:
+    """The process group as the fallback's decision asks for it (a Horovod process set's
+    ``size()`` and ``process_set_id``)."""
+
+    def __init__(self, pg):
+        self.pg = pg
+        self.process_set_id = 0 if pg is None else id(pg)
+
+    def size(self):
+        return dist.get_world_size(self.pg)
+
+
 class _Bucket:
     """One DDP bucket's members, the layout of those it compresses, and the flat buffers the
     codec works in. ``names``/``layout``: the compressed members (``layout`` None when none is);
@@ -127,6 +172,9 @@ class _Bucket:
         self.owner_scratch = None  # the scatter exchange's owner buffer, kept from step to step
         self.steps, self.step_norms = 0, None  # what the stats' norms reader looks at
         self.norms = stats_read.bucket_norms(self)
+        # the registry generation in which the residual is known to be zero (the fallback's
+        # last step sent every member), else None
+        self.zero_residual = None
 
     def exchange(self, nranks):
         """("allgather", None) or ("scatter", its Chunks) for ``nranks`` ranks, as the Horovod
@@ -229,11 +277,64 @@ def twobit_hook(state, bucket):
 
 
 def _compressed(state, b, parts, pg, nranks, rank):
-    """Encodes the bucket's compressed members and starts their exchange: a future of the flat
-    float32 result, this rank's residuals committed when it is done."""
+    """Encodes the bucket's compressed members and starts their exchange (or, where the
+    fallback sends them plain, their allreduce): a future of the flat float32 result, this
+    rank's residuals committed when it is done."""
     lay = b.layout
     r = b.residual(parts[0].device)
     g = b.gradient(parts)
+    plain, check = (state.plain(b, _Group(pg), g.device, time.perf_counter()) if state.fallback
+                    else (False, None))
+    if plain:
+        fut = _plain(state, b, r, g, pg, nranks)
+    else:
+        b.zero_residual = None
+        fut = _encoded(state, b, r, g, pg, nranks, rank)
+    if check is None:
+        return fut
+
+    def checked_step(done):
+        check[0].finished(check[1])
+        return done.value()
+    return fut.then(checked_step)
+
+
+def _plain(state, b, r, g, pg, nranks):
+    """The fallback: the members' g + r (g alone while the residual is known to be zero) summed
+    by one ``all_reduce``, divided by the number of ranks; the residuals become zero, but a
+    member that held NaN or Inf on some rank gets NaN and keeps its residual."""
+    lay, reg = b.layout, state.residuals
+    zero = b.zero_residual == reg.generation
+    sent = g if zero else g.add_(r)  # g: the bucket's own copy of the gradients
+    values = sum(lay.numels)
+    state.stats_log.sent(b.key, b.names, "plain", 4 * sent.numel(), lambda: (values, 0.0, 0),
+                         values, b.norms)
+    fut = dist.all_reduce(sent, group=pg, async_op=True).get_future()
+
+    def finish(_):
+        sent.div_(torch.tensor(float(nranks), dtype=sent.dtype, device=sent.device))
+        nonfinite = not bool(torch.isfinite(sent).all())
+        if not nonfinite:
+            if not zero:
+                r.zero_()
+            b.zero_residual = reg.generation
+        else:
+            for s, n in zip(lay.starts, lay.numels):
+                if bool(torch.isfinite(sent[s:s + n]).all()):
+                    r[s:s + n].zero_()
+                else:
+                    sent[s:s + n] = float("nan")
+            if not zero:
+                b.zero_residual = None
+        state.stats_log.finished(nonfinite)
+        b.steps += 1
+        return sent
+    return fut.then(finish)
+
+
+def _encoded(state, b, r, g, pg, nranks, rank):
+    """The compressed exchange of the bucket's members."""
+    lay = b.layout
     payload = torch.empty(lay.payload_words, dtype=torch.int32, device=g.device)
     t, v = codec.encode_payload(lay, r, g, state.threshold, state.auto_rule, payload)
     exchange, chunks = b.exchange(nranks)

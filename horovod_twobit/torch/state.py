@@ -138,7 +138,7 @@ class TwoBitState:
         checker = self._checkers.get(key)
         if checker is None:
             from horovod_twobit.torch.exchange.checked import Checker
-            checker = self._checkers[key] = Checker(n, self.broadcaster(process_set))
+            checker = self._checkers[key] = Checker(n, self.broadcaster(process_set, device))
         pick = decide(checker.picks, bucket.names, bucket.layout, n, exchange, self.fallback, link)
         plain, check = checker.plain(bucket.key, pick,
                                      lambda: times(bucket.layout, n, exchange, link()), started)
@@ -159,7 +159,7 @@ class TwoBitState:
         return measure(process_set, device, self.threshold)
 
     @staticmethod
-    def broadcaster(process_set):
+    def broadcaster(process_set, device=None):
         """``broadcast(floats, name)``: rank 0's floats, through Horovod."""
         from horovod_twobit.torch.exchange.link import broadcaster
         return broadcaster(process_set)

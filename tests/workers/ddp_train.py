@@ -10,8 +10,10 @@ Modes: ``view`` (gradient_as_bucket_view=True), ``static`` (static_graph=True), 
 micro-batches a step, the first under ``model.no_sync()``), ``unused`` (a layer used on even steps
 only, find_unused_parameters=True), ``scatter`` / ``xauto`` (exchange="scatter" / "auto"),
 ``min=N`` (min_numel=N), ``fault=inf`` / ``fault=-inf`` (the fault injected instead of a NaN),
-``mismatch`` (the last rank uses another threshold: every rank must raise, none hang). The
-residuals the ranks keep as scatter owners and the final stats are recorded too.
+``mismatch`` (the last rank uses another threshold: every rank must raise, none hang),
+``fallback=checked`` (fallback="auto" with its check forced on, one round of each mode: steps
+sent plain and compressed, each bucket's decision recorded per step). The residuals the ranks keep
+as scatter owners and the final stats are recorded too.
 """
 
 import datetime
@@ -34,6 +36,10 @@ threshold = threshold if threshold == "auto" else float(threshold)
 exchange = "scatter" if "scatter" in modes else "auto" if "xauto" in modes else "allgather"
 options = dict(m.split("=") for m in modes if "=" in m)
 min_numel, fault = int(options.get("min", 0)), float(options.get("fault", "nan"))
+fallback_mode = options.get("fallback")
+if fallback_mode == "checked":  # checked on every job, whatever the model's margin
+    from horovod_twobit.state import fallback
+    fallback.MARGIN, fallback.WARMUP, fallback.SAMPLES = float("inf"), 0, 1
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
@@ -76,9 +82,9 @@ def recording_hook(state, bucket):
 model = DDP(net, bucket_cap_mb=0.004,  # about 4 KB: several buckets
             gradient_as_bucket_view="view" in modes, static_graph="static" in modes,
             find_unused_parameters="unused" in modes)
-state = twobit_ddp.register(model, twobit_ddp.TwoBitState(threshold, exchange=exchange,
-                                                           min_numel=min_numel),
-                            hook=recording_hook)
+state = twobit_ddp.register(model, twobit_ddp.TwoBitState(
+    threshold, exchange=exchange, min_numel=min_numel,
+    fallback="auto" if fallback_mode else None), hook=recording_hook)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 faulty = net.body[2].bias
 
@@ -107,6 +113,9 @@ try:
         (((model(x, step) - y) ** 2).mean() * 4.0).backward()
         if handle is not None:
             handle.remove()
+        if fallback_mode:  # each bucket's mode at this step
+            rec["decided/%d" % step] = np.array(json.dumps({k: d for (k, _), d in
+                                                            state.decisions.items()}))
         for i, (_, names, local, result, numels) in enumerate(calls):
             rec["names/%d/%d" % (step, i)] = np.array(names)
             offs = np.cumsum([0] + numels)
@@ -135,6 +144,7 @@ st = state.stats()
 rec["stats_nan_steps"] = np.int64(st["nonfinite_steps"])
 rec["stats_bytes"] = np.int64(sum(st["bytes_last_step"].values()))
 rec["stats"] = np.array(json.dumps(st))
+rec["checks"] = np.array(json.dumps(st.get("fallback_checks")))
 for n, p in net.named_parameters():
     rec["w/" + n] = p.detach().numpy().copy()
 np.savez(os.path.join(out, "rank%d.npz" % rank), **rec)
