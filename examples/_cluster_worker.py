@@ -23,9 +23,16 @@ TWOBIT = {"twobit": ("fixed", "allgather"), "auto": ("auto", "allgather"),
           "scatter": ("fixed", "scatter"), "scatter_auto": ("auto", "scatter"),
           "twobit_fallback": ("fixed", "allgather"), "auto_fallback": ("auto", "allgather")}
 # about 3x the mean |gradient| of each model at step 0
-THRESHOLDS = {"mlp": 1e-3, "cnn": 1e-2, "resnet": 1e-2, "transformer": 1e-2}
+THRESHOLDS = {"mlp": 1e-3, "cnn": 1e-2, "resnet": 1e-2, "transformer": 1e-2, "digits": 7e-3,
+              "charlstm": 6e-4}
 # models with many small tensors, from examples/bench_buckets.py (its names)
 MANY_TENSORS = {"resnet": "cnn", "transformer": "transformer"}
+# the time-to-accuracy study's models (examples/time_to_accuracy.py): examples/convergence.py's
+# digits MLP and character LSTM, on their own data, cross-entropy, each with the study's
+# optimizer (convergence.OPTIMIZERS[model][optimizer], not --lr) and the LSTM's gradient clipping
+STUDY_MODELS = {"digits": ("mlp", "momentum"), "charlstm": ("lstm", "adam")}
+# DDP's PowerSGD rows: the rank of the approximation
+POWERSGD_RANKS = {"ddp_powersgd": 1, "ddp_powersgd4": 4}
 
 
 class CodecClock:
@@ -93,6 +100,8 @@ def build(model, args):
                             nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                             nn.Flatten(), nn.Linear(2 * c * 4 * 4, 10))
         shape = (3, 32, 32)
+    elif model in STUDY_MODELS:
+        return study_model(model)
     else:
         raise ValueError("unknown model %r (%s)" % (model, ", ".join(THRESHOLDS)))
     t = teacher(shape)
@@ -102,6 +111,50 @@ def build(model, args):
         x = torch.randn((size,) + shape, generator=g)
         return x, x.reshape(size, -1) @ t
     return net, batch
+
+
+def study_model(model):
+    """(net, batch) of a STUDY_MODELS model: examples/convergence.py's net with its initial
+    weights (seed 0), and batch(rank, step, size) -> (x, y) drawn from its training data (the
+    digits' training set, whole; the text's training part)."""
+    import torch
+    from examples import convergence
+    if model == "digits":
+        xtr, ytr, _, _ = convergence.digits_data(0, 1)
+        net = convergence.mlp_net()
+
+        def batch(rank, step, size):
+            g = torch.Generator().manual_seed(100003 * rank + step)
+            idx = torch.randint(0, len(xtr), (size,), generator=g)
+            return xtr[idx], ytr[idx]
+        return net, batch
+    train, _, vocab = convergence.text_data()
+    net = convergence.CharLSTM(vocab)
+
+    def batch(rank, step, size):
+        g = torch.Generator().manual_seed(100003 * rank + step)
+        return convergence.lstm_batch(train, torch.randint(
+            0, len(train) - convergence.LSTM_SEQ - 1, (size,), generator=g))
+    return net, batch
+
+
+def loss_of(model, out, y):
+    """The training loss: cross-entropy for STUDY_MODELS (per character for the LSTM), the
+    squared error to the teacher's targets for the others."""
+    if model in STUDY_MODELS:
+        from examples import convergence
+        return convergence.lstm_loss(out, y)  # cross-entropy over the last dimension
+    return ((out - y) ** 2).mean()
+
+
+def optimizer(net, args):
+    """SGD at --lr, or a STUDY_MODELS model's own optimizer."""
+    import torch
+    if args.model in STUDY_MODELS:
+        from examples import convergence
+        short, kind = STUDY_MODELS[args.model]
+        return convergence.base_optimizer(net, kind, convergence.OPTIMIZERS[short][kind])
+    return torch.optim.SGD(net.parameters(), lr=args.lr)
 
 
 def teacher(shape):
@@ -114,11 +167,11 @@ def teacher(shape):
     return torch.randn(n, 10, generator=g) / n ** 0.5
 
 
-def eval_loss(net, batch):
+def eval_loss(net, batch, model=None):
     import torch
     with torch.no_grad():
         x, y = batch(999, 999, 256)
-        return float(((net(x) - y) ** 2).mean())
+        return float(loss_of(model, net(x), y))
 
 
 def quantization_pertensor_hook(process_group, bucket):
@@ -179,7 +232,7 @@ def horovod_setup(args, methods):
         else:
             compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
         opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(net.parameters(), lr=args.lr),
+            optimizer(net, args),
             named_parameters=[(method + "." + n, p) for n, p in net.named_parameters()],
             compression=compression)
         runs.append((method, net, net, batch, opt))
@@ -274,27 +327,50 @@ def ddp_setup(args, method):
     dist.init_process_group("gloo", init_method="tcp://%s:%d" % (args.master, args.port),
                             rank=args.rank, world_size=args.world)
     net, batch = build(args.model, args)
+    model = DDP(net, **ddp_options(method))  # broadcasts rank 0's parameters
+    register_hook(model, method, args.threshold or THRESHOLDS.get(args.model))
+    opt = optimizer(model, args)
+    return [(method, net, model, batch, opt)], args.rank, args.world, dist.barrier
+
+
+def ddp_options(method):
+    """DistributedDataParallel's keyword arguments for a DDP method."""
     # powerSGD_hook issues its allreduces from future callbacks: with several buckets in
     # flight they reach gloo in different orders on different ranks (a collective mismatch
     # that crashes the job), so it gets one bucket for the whole model.
-    cap = {"bucket_cap_mb": 4096} if method == "ddp_powersgd" else {}
-    model = DDP(net, **cap)  # broadcasts rank 0's parameters
+    return {"bucket_cap_mb": 4096} if method in POWERSGD_RANKS else {}
+
+
+def register_hook(model, method, threshold=None):
+    """Registers a DDP method's communication hook on ``model`` (none for "ddp"); ``threshold``:
+    the fixed threshold of "ddp_twobit"."""
     if method == "ddp_fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif method == "ddp_quant":
         model.register_comm_hook(None, quantization_pertensor_hook)
-    elif method == "ddp_powersgd":
+    elif method in POWERSGD_RANKS:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+        state = powerSGD_hook.PowerSGDState(process_group=None,
+                                            matrix_approximation_rank=POWERSGD_RANKS[method],
                                             start_powerSGD_iter=2)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif method in ("ddp_twobit", "ddp_twobit_auto"):  # this project's hook (torch/ddp.py)
         from horovod_twobit.torch import ddp as twobit_ddp
-        threshold = "auto" if method.endswith("_auto") else args.threshold or THRESHOLDS[args.model]
-        twobit_ddp.register(model, twobit_ddp.TwoBitState(threshold))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    return [(method, net, model, batch, opt)], args.rank, args.world, dist.barrier
+        twobit_ddp.register(model, twobit_ddp.TwoBitState(
+            "auto" if method.endswith("_auto") else threshold))
+    elif method != "ddp":
+        raise ValueError("unknown DDP method %r" % method)
+
+
+def study_step(model):
+    """(finish_step(opt, params, clip, synchronize), clip): what a step does after the backward
+    pass, examples/convergence.py's for STUDY_MODELS (the LSTM clips its gradients' norm), a
+    plain ``opt.step()`` for the others."""
+    if model in STUDY_MODELS:
+        from examples import convergence
+        return convergence.finish_step, convergence.LSTM_CLIP if model == "charlstm" else None
+    return (lambda opt, params, clip, synchronize: opt.step()), None
 
 
 def worker(args):
@@ -310,6 +386,7 @@ def worker(args):
         runs, rank, size, barrier = horovod_setup(args, methods)
     else:
         runs, rank, size, barrier = ddp_setup(args, methods[0])
+    finish_step, clip = study_step(args.model)
     rec = {m: {"times": [], "cpu": [], "sys": [], "faults": [], "tx": 0, "rx": 0,
                "train_losses": [], "compute": [], "codec": [], "wait": []} for m in methods}
 
@@ -319,11 +396,11 @@ def worker(args):
         k0 = clock.seconds if clock else 0.0
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
+        loss = loss_of(args.model, model(x), y)
         loss.backward()
         t1 = time.perf_counter()
         k1 = clock.seconds if clock else 0.0
-        opt.step()
+        finish_step(opt, model.parameters(), clip, synchronize=args.worker == "horovod")
         t2 = time.perf_counter()
         k2 = clock.seconds if clock else 0.0
         if r is not None:
@@ -333,7 +410,7 @@ def worker(args):
             r["wait"].append(max(0.0, t2 - t0 - r["compute"][-1] - codec_s))
         return float(loss.detach())
 
-    loss0 = eval_loss(runs[0][1], runs[0][3])
+    loss0 = eval_loss(runs[0][1], runs[0][3], args.model)
     for run in runs:
         warmup = warmup_steps(run[0], args.warmup)
         for i in range(warmup):
@@ -366,7 +443,7 @@ def worker(args):
             "%s %.2f s" % (m, rec[m]["times"][-1]) for m in methods)))
     barrier()
     for method, net, _, batch, opt in runs:
-        rec[method].update(eval_loss_start=loss0, eval_loss=eval_loss(net, batch),
+        rec[method].update(eval_loss_start=loss0, eval_loss=eval_loss(net, batch, args.model),
                            steps=args.steps,
                            threshold=(args.threshold or THRESHOLDS[args.model])
                            if TWOBIT.get(method, ("",))[0] == "fixed" else None,

@@ -61,6 +61,7 @@ HOROVOD_METHODS = {"none": "Horovod, no compression", "fp16": "Horovod, Compress
                    "auto_fallback": 'Horovod, TwoBitCompressor("auto", fallback="auto")'}
 DDP_METHODS = {"ddp": "DDP, no hook", "ddp_fp16": "DDP, fp16_compress_hook",
                "ddp_quant": "DDP, quantization_pertensor_hook*", "ddp_powersgd": "DDP, powerSGD_hook**",
+               "ddp_powersgd4": "DDP, powerSGD_hook** (rank 4)",
                "ddp_twobit": "DDP, horovod_twobit's 2-bit hook",
                "ddp_twobit_auto": 'DDP, horovod_twobit\'s 2-bit hook ("auto")'}
 ALL_METHODS = dict(HOROVOD_METHODS, **DDP_METHODS)
@@ -452,11 +453,11 @@ def driver(args):
                "tensor, as the list of all ranks', and with several buckets its callback-issued "
                "all_gathers can hang); this runs the same algorithm (same bytes) with both "
                "all_gathers issued in the hook, in bucket order, without overlap.", ""]
-    if "ddp_powersgd" in methods:
-        md += ["\\*\\* rank 1, compressing from step 2 on (warm-up steps are plain allreduce), "
-               "with one DDP bucket for the whole model: with several buckets its callback-issued "
-               "allreduces reach gloo in different orders on different ranks and the job crashes "
-               "(torch 2.13).", ""]
+    if "ddp_powersgd" in methods or "ddp_powersgd4" in methods:
+        md += ["\\*\\* rank 1 (ddp_powersgd4: rank 4), compressing from step 2 on (warm-up "
+               "steps are plain allreduce), with one DDP bucket for the whole model: with "
+               "several buckets its callback-issued allreduces reach gloo in different orders on "
+               "different ranks and the job crashes (torch 2.13).", ""]
     text = "\n".join(md)
     print("\n" + text)
     with open(os.path.join(args.out, "bench_cluster.md"), "w") as f:
@@ -477,7 +478,9 @@ def parser():
     ap.add_argument("--rates", default="100mbit,1gbit", help="comma-separated tc rates")
     ap.add_argument("--models", default="mlp,cnn",
                     help="mlp (>= 20M params), cnn (small), resnet (53 tensors, BatchNorm), "
-                         "transformer (99 tensors, LayerNorm)")
+                         "transformer (99 tensors, LayerNorm); digits, charlstm: "
+                         "examples/convergence.py's MLP and LSTM on their data, with the "
+                         "time-to-accuracy study's optimizers (examples/time_to_accuracy.py)")
     ap.add_argument("--methods", default=DEFAULT_METHODS,
                     help="comma-separated, from: %s" % ", ".join(ALL_METHODS))
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
