@@ -85,25 +85,30 @@ LSTM_SEQ, LSTM_BATCH = 64, 32
 LSTM_CLIP = 1.0
 
 
+def finish_step(opt, params, clip=None, synchronize=False):
+    """After the backward pass: clip the gradient norm of ``params`` to ``clip`` (if any) and
+    step. ``synchronize``: ``opt`` is Horovod's DistributedOptimizer, whose exchange has to
+    finish before clipping; under DDP the backward pass has exchanged already."""
+    stepping = contextlib.nullcontext()
+    if clip is not None:
+        if synchronize:
+            opt.synchronize()
+            stepping = opt.skip_synchronize()
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    with stepping:
+        opt.step()
+
+
 def updater(opt, clip=None, synchronize=False):
-    """update(loss_fn): zero the gradients, loss_fn() (the forward pass), backward, exchange,
-    clip the gradient norm to ``clip`` (if any) and step. ``synchronize``: ``opt`` is Horovod's
-    DistributedOptimizer, whose exchange has to finish before clipping; under DDP the backward
-    pass exchanges."""
+    """update(loss_fn): zero the gradients, loss_fn() (the forward pass), backward, then
+    :func:`finish_step`."""
     params = [p for group in opt.param_groups for p in group["params"]]
 
     def update(loss_fn):
         opt.zero_grad()
         loss = loss_fn()
         loss.backward()
-        stepping = contextlib.nullcontext()
-        if clip is not None:
-            if synchronize:
-                opt.synchronize()
-                stepping = opt.skip_synchronize()
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        with stepping:
-            opt.step()
+        finish_step(opt, params, clip, synchronize)
         return loss
     return update
 
