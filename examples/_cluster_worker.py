@@ -248,12 +248,21 @@ def horovod_setup(args, methods):
 
 
 def warmup_steps(method, warmup):
-    """Untimed steps of ``method``: ``warmup``, or with ``fallback="auto"`` at least the steps
-    its checked decision may take, so that the timed steps are the mode it kept."""
+    """The most untimed steps of ``method``: ``warmup``, or with ``fallback="auto"`` the steps
+    its checked decision may take (:func:`checking` ends them sooner), so that the timed steps
+    are the mode it kept."""
     if method.endswith("_fallback"):
         from horovod_twobit.state import fallback
         return max(warmup, fallback.start_steps())
     return warmup
+
+
+def checking(run):
+    """Whether ``run``'s compressor has a fallback whose checked decision is not made yet (the
+    same on every rank: they decide at the same step)."""
+    comp = getattr(run[4], "_compression", None)
+    return (getattr(comp, "fallback", None) == "auto"
+            and not comp.stats().get("fallback_checks"))
 
 
 def fallback_record(compression):
@@ -414,6 +423,8 @@ def worker(args):
     for run in runs:
         warmup = warmup_steps(run[0], args.warmup)
         for i in range(warmup):
+            if i >= args.warmup and not checking(run):
+                break
             t0 = time.perf_counter()
             step(run, i)
             progress(rank, "%s warm-up step %d/%d: %.2f s" % (run[0], i + 1, warmup,
