@@ -190,7 +190,8 @@ def text_data():
     import pydoc_data.topics
     text = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
     chars = sorted(set(text))
-    ids = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    index = {c: i for i, c in enumerate(chars)}
+    ids = torch.tensor([index[c] for c in text], dtype=torch.long)
     cut = int(len(ids) * 0.9)
     return ids[:cut], ids[cut:], len(chars)
 
