@@ -141,13 +141,13 @@ def _encode_kernel(r_ptr, g_ptr, words_ptr, head_ptr, t_ptr, mow_ptr, n, nwords,
 
 
 @triton.jit
-def _abs_sums_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, CH: tl.constexpr, TW: tl.constexpr):
+def _abs_sums_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, TW: tl.constexpr):
     """Pass 1 of "auto": the float64 sum of |r + g| over each chunk."""
     c = tl.program_id(0)
     start = tl.load(ch_ptr + c * 5)
     length = tl.load(ch_ptr + c * 5 + 1)
     acc = tl.zeros([TW, 16], dtype=tl.float64)
-    for off in range(0, CH, 16 * TW):
+    for off in range(0, length, 16 * TW):  # only the chunk's own tiles
         i = off + tl.arange(0, TW)[:, None] * 16 + tl.arange(0, 16)[None, :]
         m = i < length
         x = tl.load(r_ptr + start + i, mask=m, other=0.0) + \
@@ -170,7 +170,7 @@ def _candidates(ch_ptr, part_ptr, mult_ptr, c):
 @triton.jit
 def _counts_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr,
                    stash_ptr, head_ptr, mow_ptr, K: tl.constexpr, HAS_FACTOR: tl.constexpr,
-                   BUCKET: tl.constexpr, CH: tl.constexpr, TW: tl.constexpr):
+                   BUCKET: tl.constexpr, TW: tl.constexpr):
     """Pass 2 of "auto": per chunk, the count and float64 sum of |r + g| at or above each
     candidate, one byte per value (how many rounded candidates |r + g| reaches, plus 16 where
     r + g > 0), and the words' NaN/Inf flags."""
@@ -182,7 +182,7 @@ def _counts_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr,
     k = tl.arange(0, 16)
     cnt = tl.zeros([16], dtype=tl.int64)
     tot = tl.zeros([16], dtype=tl.float64)
-    for off in range(0, CH, 16 * TW):
+    for off in range(0, length, 16 * TW):  # only the chunk's own tiles
         i = off + tl.arange(0, TW)[:, None] * 16 + tl.arange(0, 16)[None, :]
         m = i < length
         x = tl.load(r_ptr + start + i, mask=m, other=0.0) + \
@@ -208,8 +208,7 @@ def _counts_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr,
 @triton.jit
 def _auto_pack_kernel(ch_ptr, seg_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr, stash_ptr,
                       words_ptr, head_ptr, mag_off, tw_ptr, vw_ptr, ts_ptr, vs_ptr,
-                      K: tl.constexpr, HAS_FACTOR: tl.constexpr, CH: tl.constexpr,
-                      TW: tl.constexpr):
+                      K: tl.constexpr, HAS_FACTOR: tl.constexpr, TW: tl.constexpr):
     """Pass 3 of "auto": per chunk, its segment's levels (the lsq choice from every chunk's counts
     and sums, in chunk order) and the packed words from pass 2's bytes. The segment's first chunk
     writes the magnitude into the payload and the levels of the segment."""
@@ -241,7 +240,7 @@ def _auto_pack_kernel(ch_ptr, seg_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr, sta
         tl.store(ts_ptr + seg, t32)
         tl.store(vs_ptr + seg, v32)
     nw = (length + 15) // 16
-    for off in range(0, CH // 16, TW):
+    for off in range(0, nw, TW):
         wl = off + tl.arange(0, TW)
         i = wl[:, None] * 16 + tl.arange(0, 16)[None, :]
         m = i < length
@@ -277,7 +276,7 @@ def _decode_kernel(rows_ptr, nranks, row_stride, body_off, lvl_off, lvl_idx_ptr,
         li = tl.load(lvl_idx_ptr + w, mask=wm, other=0)
     acc = tl.zeros([BW, 16], dtype=tl.float32)
     for i in range(0, nranks):
-        base = rows_ptr + i * row_stride
+        base = rows_ptr + tl.cast(i, tl.int64) * row_stride
         word = tl.load(base + body_off + w, mask=wm, other=0)
         if LEVELS == 0:
             lv = tl.load(base + lvl_off).to(tl.float32, bitcast=True)
@@ -377,10 +376,18 @@ def _mult(tab, k):
     return m
 
 
+_CONSTANTS = {}
+
+
 def _f32(x, device):
+    """A float32 tensor of a threshold, divisor or scale; a number's made once per device (no
+    copy to the device per call)."""
     if isinstance(x, torch.Tensor):
         return x if x.dtype == torch.float32 else x.to(torch.float32)
-    return torch.tensor(float(x), dtype=torch.float32, device=device)
+    key = (float(x).hex(), device)  # -0.0 apart from 0.0
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(float(x), dtype=torch.float32, device=device)
+    return _CONSTANTS[key]
 
 
 def _grid(nwords, bw=None):
@@ -437,7 +444,7 @@ def encode_payload(layout, r, g, threshold, rule, payload, segment_levels):
     ts = torch.empty(layout.segments, dtype=torch.float32, device=dev)
     vs = torch.empty_like(ts)
     opts = _launch_options()
-    common = dict(CH=CHUNK, TW=TILE_WORDS, **opts)
+    common = dict(TW=TILE_WORDS, **opts)
     _abs_sums_kernel[(nc,)](r, g, tab.chunks, part, **common)
     _counts_kernel[(nc,)](r, g, tab.chunks, part, _mult(tab, k), cnt, tot, stash, payload,
                           mow if mow is not None else tab.chunks, K=_K, HAS_FACTOR=bool(k),
