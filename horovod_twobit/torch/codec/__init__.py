@@ -1,6 +1,8 @@
 """The 2-bit codec in torch ops: quantize with error feedback, pack, unpack. No state, no
 communication, no host round trip: the same code runs on CPU and CUDA tensors. The fused kernels
-live in :mod:`horovod_twobit.torch.codec.kernels`."""
+live in :mod:`horovod_twobit.torch.codec.kernels`. On CUDA tensors a bucket's payload
+(:func:`encode_payload`, :func:`finish_payload`) goes through the Triton kernels of
+:mod:`horovod_twobit.torch.codec.triton_kernels` instead (:func:`.compiled.triton_path`)."""
 
 import torch
 
@@ -132,7 +134,8 @@ def encode_payload(layout, r, g, threshold, rule, payload):
     or one per word. On CUDA the Triton kernels do it (:func:`compiled.triton_path`)."""
     tk = compiled.triton_path(g.device)
     if tk is not None:
-        return tk.encode_payload(layout, r, g, threshold, rule, payload, segment_levels)
+        return tk.encode_payload(layout, _on(layout, g.device), r, g, threshold, rule, payload,
+                                 segment_levels)
     on = _on(layout, g.device)
     body = payload[layout.body:]
     mags = None
@@ -232,7 +235,8 @@ def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, 
     tk = compiled.triton_path(g.device)
     if tk is not None:
         bad = [any(b[i] for b in bad) for i in range(layout.members)]
-        tk.finish_payload(layout, gathered, nranks, bad, r, g, t, v, divisor, scale, out)
+        tk.finish_payload(layout, _on(layout, g.device), gathered, nranks, bad, r, g, t, v,
+                          divisor, scale, out)
         return dest, any(bad)
     on = _on(layout, g.device)
     words = [row[layout.body:] for row in rows]

@@ -1,7 +1,7 @@
 """The codec's passes as Triton kernels, for CUDA tensors: one launch per pass over a whole bucket,
 its members' offsets, thresholds and segments read from small device tables (made once per layout
 and device), no host synchronisation. :mod:`horovod_twobit.torch.codec` dispatches here on CUDA
-(:func:`horovod_twobit.torch.codec.triton_path`); the CPU keeps the Inductor / eager bodies.
+(:func:`.compiled.triton_path`); the CPU keeps the Inductor / eager bodies.
 
 - :func:`encode_payload`, fixed threshold: one pass reads r and g, writes the packed words and
   ORs the NaN/Inf flags (header word 1, each member's flag byte) into the payload with atomics,
@@ -23,14 +23,26 @@ and device), no host synchronisation. :mod:`horovod_twobit.torch.codec` dispatch
   held NaN or Inf on some rank get NaN and keep their residual.
 - :func:`decode_rows`: the scatter owner's sum of every sender's chunk, all ranks in one launch.
 
+Extra memory: the "auto" encode holds one byte per value of the bucket (pass 2's), and a few
+float64 sums per chunk, while it runs.
+
 Bits: no operation here has a result that depends on fusion or order but the float64 sums of
-the "auto" levels (float64 sums of float32 values, rounded to float32 once, as the reference; the
-order is fixed, so every run gives the same bits). Launches pass ``enable_fp_fusion=False``, so
-the GPU compiler contracts no multiply and add into an FMA (none of the passes has such a pair
-whose fused result could differ, but the guard costs nothing). The float32 division is
-``div_rn``; float64 divisions (the mean, the least-squares magnitude) lower to IEEE division.
-Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors with NumPy's arithmetic: the
-suite checks them there against the NumPy reference; ``scripts/gpu_check.sh`` on a GPU.
+the "auto" levels (float64 sums of float32 values, rounded to float32 once, as the reference and
+:mod:`.levels` do, whose order differs too: the same bits in all but astronomically rare cases;
+the order here is fixed, so every run gives the same bits). Under ``TRITON_INTERPRET=1`` the
+kernels run on CPU tensors with NumPy's arithmetic, and the suite checks them there against the
+NumPy reference. What the interpreter cannot show, and ``scripts/gpu_check.sh`` checks on a GPU
+(``test_cuda_kernels_match_reference``, the same cases compiled):
+
+- float32 division: Triton's ``/`` is approximate on a GPU (``div.full.f32``); the one float32
+  division, by the number of ranks, is ``tl.math.div_rn`` (``div.rn.f32``). The float64 ones
+  (the mean, the least-squares score and magnitude) lower to IEEE division (``div.rn.f64``);
+- FMA contraction: the GPU compiler fuses a multiply and an add by default; launches pass
+  ``enable_fp_fusion=False`` (no pass has a multiply feeding an add whose fused result would
+  differ, but the guard costs nothing);
+- conversions: float32 to float16 rounds to nearest even on both; float32 to bfloat16 is
+  rounded with integer operations (:func:`_bf16_bits`), since the interpreter truncates;
+- integer wrap-around of the packed words' int32 sums (disjoint bits) and int32 atomics.
 """
 
 import os
@@ -358,10 +370,9 @@ class _Tables:
         return self.heads[threshold]
 
 
-def tables(layout, device):
-    """The layout's :class:`_Tables` on ``device``, kept with the codec's other tables of it."""
-    from horovod_twobit.torch.codec import _on
-    on = _on(layout, device)
+def tables(on, layout, device):
+    """The layout's :class:`_Tables` on ``device``, kept in ``on`` (the codec's other tables of
+    the layout on that device) once made."""
     if on.triton is None:
         on.triton = _Tables(layout, device)
     return on.triton
@@ -411,12 +422,13 @@ def pack(r, g, threshold, words, head, member_of_word=None):
         PER_WORD=per_word, BUCKET=member_of_word is not None, BW=BLOCK_WORDS, **_launch_options())
 
 
-def encode_payload(layout, r, g, threshold, rule, payload, segment_levels):
+def encode_payload(layout, on, r, g, threshold, rule, payload, segment_levels):
     """:func:`horovod_twobit.torch.codec.encode_payload` in Triton kernels: the same payload
-    bits, the same (threshold, magnitude) returned. ``segment_levels`` gives an "auto" layout's
-    levels for the rules other than ``lsq``."""
+    bits, the same (threshold, magnitude) returned. ``on``: where the layout's tables on this
+    device are kept (:func:`tables`); ``segment_levels`` gives an "auto" layout's levels for the
+    rules other than ``lsq``."""
     dev = g.device
-    tab = tables(layout, dev)
+    tab = tables(on, layout, dev)
     head = tab.head(layout, "auto" if layout.auto else threshold, dev)
     payload[:head.numel()].copy_(head)
     mow = None if layout.single else tab.member_of_word
@@ -463,11 +475,12 @@ def _per_word(layout, tab, seg):
     return seg.index_select(0, tab.seg_of_word[:layout.words])
 
 
-def finish_payload(layout, gathered, nranks, bad, r, g, t, v, divisor, scale, out=None):
+def finish_payload(layout, on, gathered, nranks, bad, r, g, t, v, divisor, scale, out=None):
     """:func:`horovod_twobit.torch.codec.finish_payload`'s pass after the payloads are checked
-    (``bad``: each member's NaN/Inf flag over every rank, as the host parsed them): one launch."""
+    (``bad``: each member's NaN/Inf flag over every rank, as the host parsed them): one launch.
+    ``on`` as for :func:`encode_payload`."""
     dev = g.device
-    tab = tables(layout, dev)
+    tab = tables(on, layout, dev)
     dest = g if out is None else out
     n, nwords = layout.values, layout.words
     if not nwords:
