@@ -163,7 +163,7 @@ def compress_pays(layout, nranks, exchange, link):
 MODEL, COMPRESSED, PLAIN = 0, 1, 2
 MODE_NAMES = ("model", "compressed", "plain")
 WARMUP = 1  # untimed rounds first: a candidate's first step may compile its kernels
-SAMPLES = 5  # timed rounds: each candidate's figure is the median of as many steps
+SAMPLES = 7  # timed rounds: each candidate's figure is the median of as many steps
 MARGIN = 3.0  # not checked where the model has one side this many times faster than the other
 TIE = 0.01  # the model's pick is kept unless another candidate is faster by more than this
 
@@ -205,15 +205,23 @@ def schedule(modes, warmup=None, samples=None):
 
 
 def medians(steps, spans, warmup=None):
-    """[median span] per mode (NaN for a mode never timed) of a schedule's timed steps."""
+    """[figure] per mode (NaN for a mode never timed) of a schedule's timed steps: the model's
+    pick's median span, and each other mode's as that median times the median, over the rounds,
+    of its span over the model pick's span in the same round (paired, so that a change in the
+    machine's load between rounds falls on both alike)."""
     import math
     import statistics
-    skip = (WARMUP if warmup is None else warmup) * len(set(steps))
-    out = []
-    for m in range(len(MODE_NAMES)):
-        got = [s for i, (mode, s) in enumerate(zip(steps, spans))
-               if i >= skip and mode == m and s is not None and math.isfinite(s)]
-        out.append(statistics.median(got) if got else float("nan"))
+    nmodes = len(set(steps))
+    skip = (WARMUP if warmup is None else warmup) * nmodes
+    rounds = {}  # round -> {mode: span}
+    for i, (mode, s) in enumerate(zip(steps, spans)):
+        if i >= skip and s is not None and math.isfinite(s) and s > 0:
+            rounds.setdefault(i // max(nmodes, 1), {})[mode] = s
+    base = [r[MODEL] for r in rounds.values() if MODEL in r]
+    out = [statistics.median(base) if base else float("nan")]
+    for m in range(1, len(MODE_NAMES)):
+        ratios = [r[m] / r[MODEL] for r in rounds.values() if m in r and MODEL in r]
+        out.append(out[0] * statistics.median(ratios) if ratios and base else float("nan"))
     return out
 
 

@@ -25,7 +25,7 @@ from horovod_twobit.wire.layout import Layout
 from horovod_twobit.torch.codec import stats as stats_read
 from horovod_twobit.torch import codec
 from horovod_twobit.torch.exchange.allgather import Flight
-from horovod_twobit.torch.exchange.plain import PlainFlight
+from horovod_twobit.torch.exchange.plain import PlainFlight, StreamFlight
 from horovod_twobit.torch.exchange.scatter import ScatterFlight
 
 _split = codec.split_single  # the single-tensor payload parser (tests use it by this name)
@@ -115,6 +115,9 @@ class Bucket:
             if rnd is None:
                 rnd = self._round = _Round(self, call)
                 self._started = time.perf_counter()
+                rnd.decided = self.decide(call[3], tensor.device)
+                if rnd.decided[0] and self.zero_residual == self.state.residuals.generation:
+                    rnd.stream = self._stream(call, rnd.decided[1])
             elif name in rnd.arrived:
                 raise RuntimeError("tensor %r was submitted twice before its bucket was sent: "
                                    "wait for its handle before submitting it again" % name)
@@ -122,20 +125,41 @@ class Bucket:
                 raise ValueError("the tensors of one bucket must share op, scale factors and "
                                  "process set (%r differs): pass bucket_bytes=0" % name)
             rnd.arrived[name] = tensor
+            if rnd.stream is not None:
+                rnd.stream.add(self.index[name], tensor)
             if len(rnd.arrived) == len(self.names):
                 self._round = None
-                rnd.flight = self.launch([rnd.arrived[n] for n in self.names], *call,
-                                         in_place=True)
+                if rnd.stream is not None:
+                    rnd.flight = rnd.stream
+                else:
+                    rnd.flight = self.launch([rnd.arrived[n] for n in self.names], *call,
+                                             in_place=True, decided=rnd.decided)
             return Handle(rnd, self.index[name])
 
-    def launch(self, tensors, op, prescale, postscale, process_set, in_place):
+    def decide(self, process_set, device):
+        """(Whether this step goes plain, the fallback's check and step, or None), made once
+        per step: see the state's ``plain``."""
+        c = self.state
+        if not c.fallback:
+            return False, None
+        started, self._started = self._started or time.perf_counter(), None
+        return c.plain(self, process_set, device, started)
+
+    def _stream(self, call, check):
+        """This step's :class:`StreamFlight`: the bucket goes plain with a zero residual."""
+        prev, self._flight = self._flight, None
+        if prev is not None:
+            prev.wait()
+        op, prescale, postscale, process_set = call
+        self._flight = StreamFlight(self, op, prescale, postscale, process_set, in_place=True)
+        self._flight.check = check
+        return self._flight
+
+    def launch(self, tensors, op, prescale, postscale, process_set, in_place, decided=None):
         prev, self._flight = self._flight, None
         if prev is not None:
             prev.wait()  # its buffers are about to be reused; it was launched, so this ends
-        c = self.state
-        started, self._started = self._started or time.perf_counter(), None
-        plain, check = c.plain(self, process_set, tensors[0].device, started) if c.fallback \
-            else (False, None)
+        plain, check = decided or self.decide(process_set, tensors[0].device)
         if plain:
             cls = PlainFlight
         else:
@@ -188,11 +212,18 @@ class _Round:
         self.arrived = {}
         self.flight = None
         self.singles = None
+        self.decided = (False, None)  # the fallback's decision for this step
+        self.stream = None  # a StreamFlight: the members sent as they arrive
 
     def poll(self):
         return self.flight is not None and self.flight.poll()
 
     def result(self, index):
+        if self.flight is None and self.stream is not None:
+            self.flight = self.stream  # the members that arrived were sent as they did
+            with self.bucket._lock:
+                if self.bucket._round is self:
+                    self.bucket._round = None
         if self.flight is not None:
             return self.flight.result(index)
         if self.singles is None:

@@ -71,3 +71,70 @@ class PlainFlight(Flight):
         if not self.zero:
             b.zero_residual = None  # a member that held NaN or Inf kept its residual
         return dest, True
+
+
+class StreamFlight(PlainFlight):
+    """A bucket's plain step while its residuals are known to be zero: each member goes to
+    Horovod's allreduce as it arrives, as it would without a compressor (Horovod fuses them in
+    its own cycles, and the collective overlaps the backward pass); a float32 member in place.
+    Nothing to add, nothing to commit: a member whose result is not finite gets NaN, and its
+    residual stays zero."""
+
+    def __init__(self, bucket, op, prescale, postscale, process_set, in_place):
+        self.bucket, self.op, self.in_place = bucket, op, in_place
+        self.scale, self.nranks = float(prescale) * float(postscale), process_set.size()
+        self.process_set, self.results, self.prepares_stats = process_set, None, False
+        self.call = (op, prescale, postscale, process_set)
+        n = len(bucket.names)
+        self.tensors, self.sums, self.handles = [None] * n, [None] * n, [None] * n
+        c = bucket.state
+        values = bucket.values
+        c.stats_log.sent(bucket.key, bucket.names, self.EXCHANGE, 4 * values,
+                         lambda: (values, 0.0, 0), values, bucket.norms)
+
+    def add(self, index, tensor):
+        """Sends member ``index``'s gradient now."""
+        own = (self.in_place and tensor.dtype == torch.float32 and tensor.is_contiguous())
+        # a new tensor object in either case: the router leaves an unmarked tensor to Horovod
+        x = tensor.detach() if own else tensor.detach().to(torch.float32, copy=True)
+        self.tensors[index], self.sums[index] = tensor, (x, own)
+        op, prescale, postscale, process_set = self.call
+        self.handles[index] = mpi_ops.allreduce_async_(
+            x, name=self.bucket.names[index] + ".plain", op=op, prescale_factor=prescale,
+            postscale_factor=postscale, process_set=process_set)
+
+    def poll(self):
+        return self.results is not None or all(
+            h is None or mpi_ops.poll(h) for h in self.handles)
+
+    def wait(self):
+        if self.results is None:
+            progress.wait(self.poll)
+            out, nonfinite = [], False
+            for t, sent, h in zip(self.tensors, self.sums, self.handles):
+                if h is None:  # never submitted (a member the step left out)
+                    out.append(None)
+                    continue
+                mpi_ops.synchronize(h)
+                x, own = sent
+                if not bool(torch.isfinite(x).all()):
+                    x.fill_(float("nan"))
+                    nonfinite = True
+                if own:
+                    x = t
+                else:
+                    if self.in_place:
+                        t.copy_(x.view(t.shape))
+                        x = t
+                    else:
+                        x = x.view(t.shape).to(t.dtype if t.dtype != torch.float64
+                                               else torch.float32)
+                out.append(x)
+            self.nonfinite = nonfinite
+            b = self.bucket
+            b.state.stats_log.finished(nonfinite)
+            b.steps += 1
+            if self.check is not None:
+                self.check[0].finished(self.check[1])
+            self.results = out
+        return self.results
