@@ -122,18 +122,31 @@ def timed(hvd, steps_of, counts, build, args, row, out, read_out, fit=False, sta
         read_out[(row, twin)] = _median_across(hvd, d)
 
 
+def kept(comps, row, starts):
+    """Adds to ``starts`` what each fallback method's check kept, and its modes' figures."""
+    for method, comp in comps.items():
+        checks = comp.stats().get("fallback_checks") if "_fallback" in method else None
+        if checks and (row, method) in starts:
+            starts[(row, method)] += ("; ".join(
+                "%s (%s)" % (c["kept"], ", ".join("%s %.1f ms" % kv
+                                                   for kv in c["median_span_ms"].items()))
+                for c in checks),)
+
+
 def start_table(starts):
     """What the fallback's start (the link's measurement, the checked decision's schedule)
     costs: each fallback method's first steps beyond as many steady steps, less its twin's."""
     lines = ["| model, method | first steps | beyond as many steady steps (s) | "
-             "the same without the fallback (s) | the fallback's start (s) |",
-             "|---|---|---|---|---|"]
-    for (row, method), (n, extra) in sorted(starts.items()):
+             "the same without the fallback (s) | the fallback's start (s) | kept (the check's "
+             "figures) |", "|---|---|---|---|---|---|"]
+    for (row, method), got in sorted(starts.items()):
+        n, extra = got[:2]
         twin = starts.get((row, method.replace("_fallback", "")))
         if "_fallback" not in method or twin is None:
             continue
-        lines.append("| %s, %s | %d | %.2f | %.2f | %.2f |"
-                     % (row, method, n, extra, twin[1], extra - twin[1]))
+        lines.append("| %s, %s | %d | %.2f | %.2f | %.2f | %s |"
+                     % (row, method, n, extra, twin[1], extra - twin[1],
+                        got[2] if len(got) > 2 else "model (not checked)"))
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -147,10 +160,11 @@ def run_torch(args):
     for model_name in args.models.split(","):
         def build(method, model_name=model_name):
             return torch_step(model_name, method, args, torch, hvd, TwoBitCompressor)
-        steps_of, counts = {}, {}
+        steps_of, counts, comps = {}, {}, {}
         for method in args.methods.split(","):
-            steps_of[method], counts[method], _ = build(method)
+            steps_of[method], counts[method], comps[method] = build(method)
         timed(hvd, steps_of, counts, build, args, model_name, out, reads, start_out=starts)
+        kept(comps, model_name, starts)
     return out, reads, starts, hvd.rank()
 
 
@@ -192,11 +206,12 @@ def run_tf(args):
             def build(method, model_name=model_name, loop=loop):
                 return tf_step(model_name, loop, method, args, tf, hvd, hvd_keras,
                                TwoBitCompressor)
-            steps_of, counts = {}, {}
+            steps_of, counts, comps = {}, {}, {}
             for method in args.methods.split(","):
-                steps_of[method], counts[method], _ = build(method)
+                steps_of[method], counts[method], comps[method] = build(method)
             timed(hvd, steps_of, counts, build, args, row, out, reads, fit=loop == "fit",
                   start_out=starts)
+            kept(comps, row, starts)
             if args.profile:
                 for method, fn in steps_of.items():
                     out[(row, method)] += (tf_profile.profile(fn, args.profile),)

@@ -3,10 +3,11 @@
 Error feedback makes the switch exact: the bucket's values g + r (its gradients plus its
 residuals, float32) go through Horovod's own allreduce, so everything not yet sent is sent now,
 and the residuals become zero. Nothing is lost either way, and a later step may compress again
-from a zero residual. While the residuals are known to be zero (the bucket's last step went plain)
-the step sends g alone, as Horovod's own allreduce would (the same values; a -0.0 in g stays
--0.0, where g + 0.0 gives +0.0). A step whose result is not finite (some rank's gradient held NaN or Inf)
-keeps the residuals as they were, as the compressed exchanges do.
+from a zero residual. While the residuals are known to be zero (the bucket's last step went
+plain) the step sends g alone, member by member as they arrive (:class:`StreamFlight`), as
+Horovod's own allreduce would (the same values; a -0.0 in g stays -0.0, where g + 0.0 gives
++0.0). A step whose result is not finite (some rank's gradient held NaN or Inf) keeps the
+residuals as they were, as the compressed exchanges do.
 """
 
 import torch
@@ -110,26 +111,28 @@ class StreamFlight(PlainFlight):
     def wait(self):
         if self.results is None:
             progress.wait(self.poll)
-            out, nonfinite = [], False
-            for t, sent, h in zip(self.tensors, self.sums, self.handles):
-                if h is None:  # never submitted (a member the step left out)
-                    out.append(None)
-                    continue
-                mpi_ops.synchronize(h)
-                x, own = sent
-                if not bool(torch.isfinite(x).all()):
+            sent = [i for i, h in enumerate(self.handles) if h is not None]
+            for i in sent:
+                mpi_ops.synchronize(self.handles[i])
+            # one check for the bucket (a norm is finite only if its values are; one that
+            # overflows is checked member by member), then each member only if it failed
+            xs = [self.sums[i][0] for i in sent]
+            norms = torch.stack(torch._foreach_norm(xs)) if xs else None
+            suspect = norms is not None and not bool(torch.isfinite(norms).all())
+            out, nonfinite = [None] * len(self.handles), False
+            for i in sent:
+                t, (x, own) = self.tensors[i], self.sums[i]
+                if suspect and not bool(torch.isfinite(x).all()):
                     x.fill_(float("nan"))
                     nonfinite = True
                 if own:
                     x = t
+                elif self.in_place:
+                    t.copy_(x.view(t.shape))
+                    x = t
                 else:
-                    if self.in_place:
-                        t.copy_(x.view(t.shape))
-                        x = t
-                    else:
-                        x = x.view(t.shape).to(t.dtype if t.dtype != torch.float64
-                                               else torch.float32)
-                out.append(x)
+                    x = x.view(t.shape).to(t.dtype if t.dtype != torch.float64 else torch.float32)
+                out[i] = x
             self.nonfinite = nonfinite
             b = self.bucket
             b.state.stats_log.finished(nonfinite)
