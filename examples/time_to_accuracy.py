@@ -209,9 +209,9 @@ def markdown(res, rates):
     for model, m in res.items():
         lines += ["", "**%s** (%s; target: fp32's %.4f after %d steps, 8 ranks)" % (
             model, METRIC[model], m["target"], m["target_step"]), "",
-            "| method | steps to target | final (step) | " + " | ".join(
-                "%s: step (s) | %s: time to target (s)" % (r, r) for r in rates) + " |",
-            "|---|---:|---:|" + "---:|---:|" * len(rates)]
+            "| " + " | ".join(["method", "steps to target", "final (step)"] + [
+                "%s: %s" % (r, h) for r in rates for h in ("step (s)", "time to target (s)")])
+            + " |", "|---|---:|---:|" + "---:|---:|" * len(rates)]
         best = {r: min((x["rates"][r]["time_s"] for x in m["rows"] if r in x["rates"]
                         and x["rates"][r]["time_s"] is not None), default=None) for r in rates}
         for x in m["rows"]:
@@ -224,23 +224,26 @@ def markdown(res, rates):
                 t = p["time_s"]
                 cells += ["%.4f" % p["step_s"], "not reached" if t is None else
                           ("**%.2f**" if t == best[r] else "%.2f") % t]
-            lines.append("| %s | %s | %.4f (%d) | %s |" % (
-                LABELS[x["method"]], "not reached" if x["steps"] is None else x["steps"],
-                x["final"], x["last_step"], " | ".join(cells)))
+            lines.append("| " + " | ".join([
+                LABELS[x["method"]], "not reached" if x["steps"] is None else str(x["steps"]),
+                "%.4f (%d)" % (x["final"], x["last_step"])] + cells) + " |")
     return "\n".join(lines)
 
 
 def plot(res, curves, rates, path):
+    """A panel per model and rate: each method's curve against its real-host training time at
+    that rate (against its steps where no rate was measured)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    rates = rates or [None]
     fig, axes = plt.subplots(len(res), len(rates), figsize=(5 * len(rates), 3.8 * len(res)),
                              squeeze=False)
     for i, (model, m) in enumerate(res.items()):
         for j, rate in enumerate(rates):
             ax = axes[i][j]
             for x in m["rows"]:
-                p = x["rates"].get(rate)
+                p = x["rates"].get(rate) if rate else {"step_s": 1.0}
                 if p is None:
                     continue
                 c = curves[(model, x["method"])]["curve"]
@@ -249,8 +252,8 @@ def plot(res, curves, rates, path):
                         label=LABELS[x["method"]])
             ax.axhline(m["target"], color="k", lw=0.6, ls=":")
             ax.set_xscale("log")
-            ax.set_title("%s, 8 hosts at %s" % (model, rate))
-            ax.set_xlabel("real-host training time (s, log)")
+            ax.set_title("%s, 8 hosts at %s" % (model, rate) if rate else model)
+            ax.set_xlabel("real-host training time (s, log)" if rate else "steps (log)")
             ax.set_ylabel(METRIC[model])
             if model == "digits":
                 ax.set_ylim(max(0.5, m["target"] - 0.25), 1.0)
@@ -264,7 +267,7 @@ def plot(res, curves, rates, path):
 
 def report(args):
     curves = load_curves(args.curves)
-    steps = load_steps(args.cluster.split(","))
+    steps = load_steps([p for p in args.cluster.split(",") if p])  # none: steps only
     res, rates = study(curves, steps)
     text = markdown(res, rates)
     print(text)

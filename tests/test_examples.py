@@ -130,3 +130,54 @@ def test_bucket_benchmark_mlp_has_52_tensors_in_both_frameworks():
     assert sum(p.numel() for p in net.parameters()) == tf_net.count_params()
     with pytest.raises(ValueError, match="unknown model"):
         bb.tf_model("resnet")
+
+
+@pytest.mark.slow
+def test_time_to_accuracy_trains_both_frameworks_and_reports(tmp_path):
+    """examples/time_to_accuracy.py: the Horovod methods under horovodrun and DDP's under
+    torchrun train the same models on the same data (at 2 ranks DDP without a hook gives
+    Horovod fp32's curve, and the 2-bit hook Horovod TwoBit "auto"'s, bit for bit); the report
+    takes each method's steps to fp32's figure times its step on the cluster."""
+    import subprocess
+    import sys
+    script = os.path.join(EXAMPLES, "time_to_accuracy.py")
+    jobs.run(2, script, "train", "--quick", "--methods", "none,auto", "--out", tmp_path,
+             timeout=300)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", script, "train", "--quick", "--methods",
+                          "ddp,ddp_twobit_auto", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=jobs.job_env())
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+
+    def curve(model, method):
+        return json.loads((tmp_path / ("curve-%s-%s.json" % (model, method))).read_text())
+
+    for model in ("digits", "charlstm"):
+        assert curve(model, "ddp")["curve"] == curve(model, "none")["curve"]
+        assert curve(model, "ddp_twobit_auto")["curve"] == curve(model, "auto")["curve"]
+    digits = curve("digits", "none")
+    # 1,347 training images, every 2nd per rank, batches of 32: 22 steps an epoch, 2 epochs
+    assert digits["steps_per_epoch"] == 22 and digits["curve"][-1][0] == 44
+    assert digits["target_step"] == 22 and curve("charlstm", "none")["target_step"] == 10
+    cluster = tmp_path / "bench_cluster.json"
+    cluster.write_text(json.dumps({"results": [
+        {"rate": "100mbit", "model": model, "method": method, "real_step_s": step,
+         "bytes_per_step": 1000} for model in ("digits", "charlstm")
+        for method, step in (("none", 0.5), ("auto", 0.25), ("ddp", 0.5),
+                             ("ddp_twobit_auto", 0.25))]}))
+    subprocess.run([sys.executable, script, "report", "--curves", str(tmp_path), "--cluster",
+                    str(cluster), "--out", str(tmp_path)], check=True, timeout=300,
+                   capture_output=True)
+    res = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+    for model, higher in (("digits", True), ("charlstm", False)):
+        target = [v for s, v in curve(model, "none")["curve"]
+                  if s <= curve(model, "none")["target_step"]][-1]
+        assert res[model]["target"] == target
+        for row in res[model]["rows"]:
+            first = next((s for s, v in curve(model, row["method"])["curve"]
+                          if (v >= target if higher else v <= target)), None)
+            assert row["steps"] == first
+            step = 0.5 if row["method"] in ("none", "ddp") else 0.25
+            assert row["rates"]["100mbit"]["time_s"] == (None if first is None else first * step)
+    assert (tmp_path / "time_to_accuracy.png").stat().st_size > 1000
+    assert "| Horovod fp32 |" in (tmp_path / "time_to_accuracy.md").read_text()
