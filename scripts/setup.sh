@@ -32,11 +32,14 @@ TF_VERSION=2.15.1
 # Triton, the version torch 2.13's CUDA builds pin, for the tests that run the codec's
 # Triton kernels through its interpreter on CPU tensors (tests/test_triton_kernels.py; the
 # package itself never needs it without CUDA). It adds a 198 MB wheel (690 MB installed) and
-# about 5 s to setup on this project's VM once downloaded.
+# about 5 s to setup on this project's VM once downloaded. It goes to its own directory,
+# $VENV/triton-site, which only those tests' workers put on their path: in the venv itself,
+# Inductor would import it in every process that compiles, and Triton's LLVM beside TensorFlow's
+# custom ops crashes such a process at exit (SIGSEGV after its last test).
 TRITON_VERSION=3.7.1
 APT_PACKAGES=(libopenmpi-dev openmpi-bin cmake g++ make openssh-client openssh-server iproute2)
 # setuptools < 81: TensorBoard 2.15 (the stats example, its test) imports pkg_resources, gone in 81
-PY_PACKAGES=("torch==$TORCH_VERSION" "triton==$TRITON_VERSION" "tensorflow-cpu==$TF_VERSION" "numpy<2"
+PY_PACKAGES=("torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" "numpy<2"
              "scikit-learn" "pytest" "pytest-timeout" "matplotlib" "setuptools>=68,<81" "wheel"
              "cloudpickle" "psutil" "pyyaml" "packaging" "cffi>=1.4.0")
 
@@ -80,9 +83,20 @@ PY="$VENV/bin/python"
 PIP=("$PY" -m pip install --disable-pip-version-check)
 [ -n "${HOROVOD_TWOBIT_TORCH_INDEX:-}" ] && PIP+=(--extra-index-url "$HOROVOD_TWOBIT_TORCH_INDEX")
 
-stage "installing Python packages (torch $TORCH_VERSION CPU, triton $TRITON_VERSION, tensorflow-cpu $TF_VERSION, ...)"
+stage "installing Python packages (torch $TORCH_VERSION CPU, tensorflow-cpu $TF_VERSION, ...)"
 run "${PIP[@]}" "${PY_PACKAGES[@]}" \
   || fail "pip install of the Python packages" "read $LOG; pip's index must serve torch==$TORCH_VERSION (CPU)"
+if "$PY" -m pip show triton >/dev/null 2>&1; then  # an earlier setup put it in the venv itself
+  run "$PY" -m pip uninstall -y triton || fail "pip uninstall triton" "remove triton from $VENV by hand"
+fi
+TRITON_SITE="$VENV/triton-site"
+if [ ! -f "$TRITON_SITE/triton-$TRITON_VERSION.installed" ]; then
+  stage "installing triton $TRITON_VERSION into $TRITON_SITE (for the interpreter tests only)"
+  rm -rf "$TRITON_SITE"
+  run "${PIP[@]}" --no-deps --target "$TRITON_SITE" "triton==$TRITON_VERSION" \
+    || fail "pip install triton==$TRITON_VERSION" "read $LOG; pip's index must serve it"
+  touch "$TRITON_SITE/triton-$TRITON_VERSION.installed"
+fi
 py_v=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 ompi_v=$(dpkg-query -W -f='${Version}' libopenmpi-dev 2>/dev/null || echo unknown)
 if ! "$PY" -c 'import mpi4py' >/dev/null 2>&1; then

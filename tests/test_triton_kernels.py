@@ -4,6 +4,7 @@ before a process starts, so tests/workers/triton_codec.py runs in a subprocess),
 a GPU where there is one. The worker drives the codec's own entry points with the Triton path
 forced (HOROVOD_TWOBIT_TRITON=force), so what runs is the dispatch a CUDA tensor takes."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,11 +16,20 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "workers", "triton_codec.py")
 
-try:
-    import triton  # noqa: F401
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
+# Triton is found, never imported here: in the same process as TensorFlow's custom ops its LLVM
+# crashes the process at exit (SIGSEGV after the last test). scripts/setup.sh installs it in
+# its own directory beside the venv, which only the workers put on their path.
+TRITON_SITE = os.path.join(sys.prefix, "triton-site")
+HAVE_TRITON = (importlib.util.find_spec("triton") is not None
+               or os.path.isdir(os.path.join(TRITON_SITE, "triton")))
+
+
+def worker_env(env=None):
+    """The environment of a worker: Triton's directory on its path."""
+    out = dict(os.environ, **(env or {}))
+    if os.path.isdir(TRITON_SITE):
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (TRITON_SITE, out.get("PYTHONPATH")) if p)
+    return out
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed (scripts/setup.sh "
                                   "installs the version matching torch)")
 
@@ -35,7 +45,7 @@ INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "HOROVOD_TWOBIT_TRITON": "force",
 def run_worker(cases, env=None, device=None, timeout=900):
     """{case: row} of the worker's JSON lines for ``cases``."""
     args = [sys.executable, WORKER] + (["--device", device] if device else []) + list(cases)
-    proc = subprocess.run(args, env=dict(os.environ, **(env or {})), capture_output=True,
+    proc = subprocess.run(args, env=worker_env(env), capture_output=True,
                           text=True, timeout=timeout, cwd=HERE)
     rows = {}
     for line in proc.stdout.splitlines():
@@ -112,7 +122,7 @@ def test_dispatch(setting, hide, want):
     if not HAVE_TRITON and not hide:
         pytest.skip("Triton is not installed")
     code = ("import sys; sys.modules['triton'] = None\n" if hide else "") + PROBE
-    env = dict(os.environ, HOROVOD_TWOBIT_COMPILE="0")
+    env = worker_env({"HOROVOD_TWOBIT_COMPILE": "0"})
     env.pop("HOROVOD_TWOBIT_TRITON", None)
     if setting is not None:
         env["HOROVOD_TWOBIT_TRITON"] = setting
