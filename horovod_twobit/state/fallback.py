@@ -238,6 +238,19 @@ def choose(figures, tie=TIE):
     return best
 
 
+def schedule_of(firsts):
+    """The schedule of a check, from each bucket's (model pick, modelled (compressed s, plain
+    s)) at its first step."""
+    return schedule(candidates([p for p, _ in firsts], sum(t[0] for _, t in firsts),
+                               sum(t[1] for _, t in firsts)))
+
+
+def summary(steps, chosen, figures):
+    """A decided check as the stats show it."""
+    return {"steps": steps, "kept": MODE_NAMES[chosen],
+            "median_span_ms": {MODE_NAMES[m]: 1e3 * s for m, s in enumerate(figures) if s == s}}
+
+
 def log_checked(where, steps, figures, chosen):
     """Logs a checked decision once: its ``steps``, the median spans and the mode kept."""
     _log.info("horovod-twobit: fallback checked over %d steps (%s): median span %s; keeping %s",

@@ -149,9 +149,7 @@ class Check:
     def end(self, results):
         """After the step's buckets were traced: sets the schedule (now, eagerly), and records the
         step's span and count in the graph; returns ``results`` after them."""
-        firsts = list(self.firsts.values())
-        self.steps = fallback.schedule(fallback.candidates(
-            [p for p, _ in firsts], sum(t[0] for _, t in firsts), sum(t[1] for _, t in firsts)))
+        self.steps = fallback.schedule_of(list(self.firsts.values()))
         with tf.init_scope():
             self.sched.assign(np.array(self.steps + [0] * (_MAX_STEPS - len(self.steps)), np.int32))
             self.length.assign(len(self.steps))
@@ -182,10 +180,7 @@ class Check:
         n = int(self.length.numpy())
         if not n or int(self.count.numpy()) <= n + 1:
             return None
-        figures = self.figures.numpy().tolist()
-        return {"steps": n, "kept": fallback.MODE_NAMES[int(self.chosen.numpy())],
-                "median_span_ms": {fallback.MODE_NAMES[m]: 1e3 * s
-                                   for m, s in enumerate(figures) if s == s}}
+        return fallback.summary(n, int(self.chosen.numpy()), self.figures.numpy().tolist())
 
 
 @contextlib.contextmanager

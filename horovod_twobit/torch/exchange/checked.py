@@ -74,10 +74,7 @@ class Checker:
             if k == 0:
                 self.first[key] = (pick, times())
             elif self.steps is None:  # every bucket of step 0 has launched
-                firsts = list(self.first.values())
-                self.steps = fallback.schedule(fallback.candidates(
-                    [p for p, _ in firsts], sum(t[0] for _, t in firsts),
-                    sum(t[1] for _, t in firsts)))
+                self.steps = fallback.schedule_of(list(self.first.values()))
             if 1 <= k <= len(self.steps or ()):
                 self.starts[k] = min(self.starts.get(k, float("inf")), started)
         if self.steps is not None and k > len(self.steps) and self.chosen is None:
@@ -122,6 +119,4 @@ class Checker:
         return mine + (self.late.summaries() if self.late is not None else [])
 
     def summary(self):
-        return {"steps": len(self.steps or ()), "kept": fallback.MODE_NAMES[self.chosen],
-                "median_span_ms": {fallback.MODE_NAMES[m]: 1e3 * s
-                                   for m, s in enumerate(self.figures or ()) if s == s}}
+        return fallback.summary(len(self.steps or ()), self.chosen, self.figures or ())
