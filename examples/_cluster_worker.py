@@ -31,6 +31,10 @@ MANY_TENSORS = {"resnet": "cnn", "transformer": "transformer"}
 # digits MLP and character LSTM, on their own data, cross-entropy, each with the study's
 # optimizer (convergence.OPTIMIZERS[model][optimizer], not --lr) and the LSTM's gradient clipping
 STUDY_MODELS = {"digits": ("mlp", "momentum"), "charlstm": ("lstm", "adam")}
+# this project's DDP hook: (threshold, exchange), as TWOBIT's Horovod rows
+DDP_TWOBIT = {"ddp_twobit": ("fixed", "allgather"), "ddp_twobit_auto": ("auto", "allgather"),
+              "ddp_twobit_scatter": ("fixed", "scatter"),
+              "ddp_twobit_scatter_auto": ("auto", "scatter")}
 # DDP's PowerSGD rows: the rank of the approximation
 POWERSGD_RANKS = {"ddp_powersgd": 1, "ddp_powersgd4": 4}
 
@@ -364,10 +368,11 @@ def register_hook(model, method, threshold=None):
                                             matrix_approximation_rank=POWERSGD_RANKS[method],
                                             start_powerSGD_iter=2)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif method in ("ddp_twobit", "ddp_twobit_auto"):  # this project's hook (torch/ddp.py)
+    elif method in DDP_TWOBIT:  # this project's hook (torch/ddp.py)
         from horovod_twobit.torch import ddp as twobit_ddp
+        kind, exchange = DDP_TWOBIT[method]
         twobit_ddp.register(model, twobit_ddp.TwoBitState(
-            "auto" if method.endswith("_auto") else threshold))
+            "auto" if kind == "auto" else threshold, exchange=exchange))
     elif method != "ddp":
         raise ValueError("unknown DDP method %r" % method)
 
@@ -457,7 +462,8 @@ def worker(args):
         rec[method].update(eval_loss_start=loss0, eval_loss=eval_loss(net, batch, args.model),
                            steps=args.steps,
                            threshold=(args.threshold or THRESHOLDS[args.model])
-                           if TWOBIT.get(method, ("",))[0] == "fixed" else None,
+                           if dict(TWOBIT, **DDP_TWOBIT).get(method, ("",))[0] == "fixed"
+                           else None,
                            fallback=fallback_record(getattr(opt, "_compression", None)))
     res = {"rank": rank, "size": size, "methods": rec,
            "params": sum(p.numel() for p in runs[0][1].parameters())}

@@ -50,7 +50,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
 from examples._cluster_calibrate import calibrate_worker  # noqa: E402
-from examples._cluster_worker import THRESHOLDS, TWOBIT, worker  # noqa: E402
+from examples._cluster_worker import DDP_TWOBIT, THRESHOLDS, TWOBIT, worker  # noqa: E402
 
 HOROVOD_METHODS = {"none": "Horovod, no compression", "fp16": "Horovod, Compression.fp16",
                    "twobit": "Horovod, TwoBitCompressor",
@@ -63,7 +63,10 @@ DDP_METHODS = {"ddp": "DDP, no hook", "ddp_fp16": "DDP, fp16_compress_hook",
                "ddp_quant": "DDP, quantization_pertensor_hook*", "ddp_powersgd": "DDP, powerSGD_hook**",
                "ddp_powersgd4": "DDP, powerSGD_hook** (rank 4)",
                "ddp_twobit": "DDP, horovod_twobit's 2-bit hook",
-               "ddp_twobit_auto": 'DDP, horovod_twobit\'s 2-bit hook ("auto")'}
+               "ddp_twobit_auto": 'DDP, horovod_twobit\'s 2-bit hook ("auto")',
+               "ddp_twobit_scatter": 'DDP, horovod_twobit\'s 2-bit hook (exchange="scatter")',
+               "ddp_twobit_scatter_auto":
+                   'DDP, horovod_twobit\'s 2-bit hook ("auto", exchange="scatter")'}
 ALL_METHODS = dict(HOROVOD_METHODS, **DDP_METHODS)
 DEFAULT_METHODS = "none,fp16,twobit,ddp_fp16,ddp_quant,ddp_powersgd"
 
@@ -302,7 +305,7 @@ def table(results, args):
     base = {(r["rate"], r["model"]): r for r in results if r["method"] == "none" and not r["failed"]}
     for r in results:
         label = ALL_METHODS[r["method"]]
-        if r["method"] in TWOBIT and r.get("threshold"):
+        if (r["method"] in TWOBIT or r["method"] in DDP_TWOBIT) and r.get("threshold"):
             label += " (t=%g)" % r["threshold"]
         if r["failed"]:
             lines.append("| %s | %s | %s | failed | | | | | | |" % (r["rate"], r["model"], label))
@@ -336,7 +339,7 @@ def plot(results, path, hosts):
             ax = axes[i][j]
             rows = [r for r in ok if r["model"] == model and r["rate"] == rate]
             names = [r["method"] for r in rows]
-            colors = ["tab:red" if n in TWOBIT else "tab:blue" if n in HOROVOD_METHODS
+            colors = ["tab:red" if n in TWOBIT or n in DDP_TWOBIT else "tab:blue" if n in HOROVOD_METHODS
                       else "tab:gray" for n in names]
             bars = ax.bar(range(len(rows)), [r.get("real_step_s", r["median_step_s"]) for r in rows],
                           color=colors)

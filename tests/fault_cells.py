@@ -1,5 +1,5 @@
 """The fault-injection matrix: which cells the fault jobs run, shared by the workers
-(tests/workers/torch_faults.py, tf_faults.py) and the test that checks them (test_faults.py).
+(tests/workers/torch_faults.py, tf_faults.py, ddp_faults.py) and the test that checks them (test_faults.py).
 
 A cell is one short training run of a small model (two dense layers: tensors of 70, 7, 21 and 3
 values, so every one ends in padding inside its words) through one path of a framework's Horovod
@@ -14,7 +14,9 @@ Bucketings (what the faulty tensor shares its collective with):
   ``multi`` the default bucket_bytes: all four in one bucket, the 7-value bias faulty and the
             other members finite.
 With ``hvd.allreduce`` (PyTorch) the same groups are made by hand: single named allreduces and
-``hvd.grouped_allreduce``.
+``hvd.grouped_allreduce``. The ``ddp`` framework is DistributedDataParallel with the 2-bit hook
+(tests/workers/ddp_faults.py, under torchrun): its buckets are DDP's, made with
+``DDP_BUCKET_MB``'s caps, and may differ on the first step, before DDP rebuilds them.
 """
 
 import collections
@@ -29,11 +31,18 @@ THRESHOLDS = ("0.05", "auto")
 EXCHANGES = ("allgather", "scatter")
 BUCKETINGS = {"b0": 0, "one": 200, "multi": None}  # bucket_bytes (None: the default)
 PATHS = {"torch": ("optimizer", "allreduce"),
-         "tf": ("tape_eager", "tape_function", "keras")}
+         "tf": ("tape_eager", "tape_function", "keras"),
+         "ddp": ("hook",)}
 # the model's tensors in parameter order, by their framework's names
 TENSORS = {"torch": [("0.weight", 70), ("0.bias", 7), ("2.weight", 21), ("2.bias", 3)],
            "tf": [("hidden/kernel", 70), ("hidden/bias", 7), ("out/kernel", 21),
                   ("out/bias", 3)]}
+TENSORS["ddp"] = TENSORS["torch"]
+# DistributedDataParallel's bucket_cap_mb for each bucketing (DDP fills a bucket in reverse
+# parameter order, 3 + 21 + 7 + 70 float32 values, and closes it once it holds the cap): one byte
+# closes every bucket at its first tensor; 120 bytes closes one at the 7-value bias (124 bytes),
+# leaving the 70-value weight alone; the default (25 MiB) holds all four
+DDP_BUCKET_MB = {"b0": 1 / 2 ** 20, "one": 120 / 2 ** 20, "multi": 25}
 INDEX = 3  # the value of the faulty tensor that gets the fault
 
 Cell = collections.namedtuple("Cell", "path threshold exchange bucketing kind rank")
@@ -57,7 +66,7 @@ def cells(framework, nranks):
     out = []
     combos = itertools.product(PATHS[framework], THRESHOLDS, EXCHANGES, BUCKETINGS)
     for i, (path, t, e, b) in enumerate(combos):
-        if framework == "torch" and nranks == 2:
+        if framework in ("torch", "ddp") and nranks == 2:
             out += [Cell(path, t, e, b, k, (i + j) % 2) for j, k in enumerate(KINDS)]
         else:
             out.append(Cell(path, t, e, b, list(KINDS)[(i + nranks) % 3], (i // 3) % nranks))

@@ -71,7 +71,19 @@ def run(np_, script, *args, mpi=False, timeout=240, env=None, check=True):
            "-H", "localhost:%d" % np_]
     cmd += ["--mpi", "--mpi-args=--oversubscribe"] if mpi else ["--gloo"]
     cmd += [sys.executable, os.path.join(WORKERS, script)] + [str(a) for a in args]  # absolute paths stay
-    env = dict(env or {}, HOROVOD_TWOBIT_TEST_BUILT=built())
+    return _launch("horovodrun", cmd, script, dict(env or {}, HOROVOD_TWOBIT_TEST_BUILT=built()),
+                   timeout, check)
+
+
+def torchrun(np_, script, *args, timeout=240, env=None, check=True):
+    """Runs a worker under ``torchrun --standalone --nproc_per_node N`` (torch.distributed, no
+    Horovod) and returns its Result."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(np_), os.path.join(WORKERS, script)] + [str(a) for a in args]
+    return _launch("torchrun", cmd, script, env, timeout, check)
+
+
+def _launch(launcher, cmd, script, env, timeout, check):
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=job_env(env), start_new_session=True)
@@ -80,10 +92,11 @@ def run(np_, script, *args, mpi=False, timeout=240, env=None, check=True):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail("horovodrun %s did not finish within %ss:\n%s" % (script, timeout, out[-6000:]))
+        pytest.fail("%s %s did not finish within %ss:\n%s" % (launcher, script, timeout,
+                                                             out[-6000:]))
     res = Result(proc, time.time() - t0)
     if check and res.returncode != 0:
-        pytest.fail("horovodrun %s failed: %r" % (script, res))
+        pytest.fail("%s %s failed: %r" % (launcher, script, res))
     return res
 
 

@@ -1,5 +1,6 @@
-"""The fault-injection matrix (tests/fault_cells.py) in real horovodrun jobs: a NaN, +Inf or -Inf
-on one rank at one step, through every path, threshold, exchange and bucketing, on 2 and 3 ranks.
+"""The fault-injection matrix (tests/fault_cells.py) in real horovodrun jobs, and torchrun jobs
+for DDP's 2-bit hook: a NaN, +Inf or -Inf on one rank at one step, through every path, threshold,
+exchange and bucketing, on 2 and 3 ranks.
 Every cell is replayed on the NumPy reference workers from the gradients the ranks saw, and checked
 step by step, the steps after the fault included:
 
@@ -29,22 +30,40 @@ WORKER = {"torch": "torch_faults.py", "tf": "tf_faults.py"}
 def _cell_records(tmp_path_factory, framework, np_, index):
     def job():
         out = tmp_path_factory.mktemp("faults_%s_np%d" % (framework, np_))
+        if framework == "ddp":
+            return jobs.torchrun(np_, "ddp_faults.py", "--out", out, timeout=900), out
         return jobs.run(np_, WORKER[framework], "--out", out, timeout=900), out
 
     res, out = jobs.shared(("faults", framework, np_), job)
     return sim.load_ranks(str(out / str(index)), np_)
 
 
+def groups_at(ranks, step):
+    """The groups the tensors travelled in at ``step``, the same on every rank: per step where
+    the job recorded them so (DDP's buckets, rebuilt after the first step), else for all steps."""
+    key = "groups/%d" % step if "groups/%d" % step in ranks[0] else "groups"
+    for r in ranks[1:]:
+        assert r[key].tolist() == ranks[0][key].tolist()
+    return [g.split(",") for g in ranks[0][key].tolist()]
+
+
+# the groups of DDP's rebuilt buckets (the faulty step's) for each bucketing, in DDP's order
+DDP_GROUPS = {"b0": [["2.bias"], ["2.weight"], ["0.bias"], ["0.weight"]],
+              "one": [["2.bias", "2.weight", "0.bias"], ["0.weight"]],
+              "multi": [["2.bias", "2.weight", "0.bias", "0.weight"]]}
+
+
 def check_cell(ranks, cell, framework):
     np_ = len(ranks)
-    groups = [g.split(",") for g in ranks[0]["groups"].tolist()]
-    for r in ranks[1:]:
-        assert r["groups"].tolist() == ranks[0]["groups"].tolist()
-    names = {n for g in groups for n in g}
+    names = {n for g in groups_at(ranks, 0) for n in g}
     assert len(names) == len(fc.TENSORS[framework])
+    if framework == "ddp":
+        assert groups_at(ranks, fc.FAULT_STEP) == DDP_GROUPS[cell.bucketing]
     w = ref.Workers(np_, fc.threshold(cell), exchange=cell.exchange)
     nan_seen = 0
     for step in range(fc.STEPS):
+        groups = groups_at(ranks, step)
+        assert sorted(n for g in groups for n in g) == sorted(names)
         for g in groups:
             local = [[r["local/%d/%s" % (step, n)] for n in g] for r in ranks]
             want = w.bucket(g, local)
@@ -83,7 +102,7 @@ def _params(framework):
             for np_ in (2, 3) for i, c in enumerate(fc.cells(framework, np_))]
 
 
-@pytest.mark.parametrize("framework,np_,index", _params("torch") + _params("tf"))
+@pytest.mark.parametrize("framework,np_,index", _params("torch") + _params("tf") + _params("ddp"))
 def test_fault_cell(tmp_path_factory, framework, np_, index):
     cell = fc.cells(framework, np_)[index]
     check_cell(_cell_records(tmp_path_factory, framework, np_, index), cell, framework)
