@@ -470,6 +470,6 @@ def worker(args):
     with open(os.path.join(args.out, "rank%d.json" % rank), "w") as f:
         json.dump(res, f)
     if args.worker == "ddp":
-        import torch.distributed as dist
-        dist.destroy_process_group()
+        from horovod_twobit.torch import ddp as twobit_ddp
+        twobit_ddp.shutdown()  # a barrier, then destroy_process_group
     return 0

@@ -81,6 +81,9 @@ def main():
     if writer is not None:
         writer.close()
         print("stats written to %s (%d steps)" % (args.logdir, step))
+    if args.ddp:
+        from horovod_twobit.torch import ddp as twobit_ddp
+        twobit_ddp.shutdown()
 
 
 if __name__ == "__main__":

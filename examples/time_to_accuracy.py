@@ -138,8 +138,8 @@ def train(args):
                 model, method, METRIC[model], curve[-1][1], curve[-1][0], row["seconds"]),
                 flush=True)
     if methods[0] in DDP:
-        import torch.distributed as dist
-        dist.destroy_process_group()
+        from horovod_twobit.torch import ddp as twobit_ddp
+        twobit_ddp.shutdown()  # a barrier, then destroy_process_group
     return 0
 
 

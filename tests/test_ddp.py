@@ -189,3 +189,56 @@ def test_ddp_state_refuses_what_it_cannot_do():
     with pytest.warns(UserWarning, match="saved by rank 0 of 2, this is rank 0 of 1"):
         s.load_state_dict(saved)  # another world size: the residuals restart from zero
     assert len(s.residuals) == 0
+
+
+
+# Two ranks of a gloo group: rank 0 starts an all_reduce with a Python callback and keeps the
+# GIL (a busy loop, no switch interval) while rank 1 joins the all_reduce and another process
+# reads rank 0's threads; then shutdown() ends the group on both.
+SHUTDOWN_JOB = r"""
+import os, subprocess, sys, time, torch, torch.distributed as dist
+from horovod_twobit.torch import ddp as twobit_ddp
+store, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+if rank == 1:  # joins the all_reduce once rank 0 keeps the GIL
+    while not os.path.exists(store + ".go"):
+        time.sleep(0.01)
+    dist.all_reduce(torch.ones(4))
+    twobit_ddp.shutdown()
+    sys.exit(0)
+t0 = time.monotonic()  # (the threads start)
+while twobit_ddp._gloo_threads_idle() is not True and time.monotonic() - t0 < 10:
+    time.sleep(0.01)
+assert twobit_ddp._gloo_threads_idle() is True, "idle before any work"
+reader = subprocess.Popen([sys.executable, "-c", "import sys, time; "
+    "from horovod_twobit.torch import ddp; print('READY', flush=True); time.sleep(1.0); "
+    "print('READ', [ddp._gloo_threads_idle(int(sys.argv[1])) for _ in range(20)], flush=True)",
+    str(os.getpid())], stdout=subprocess.PIPE, text=True)
+assert reader.stdout.readline().startswith("READY")
+fut = dist.all_reduce(torch.ones(4), async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+sys.setswitchinterval(1000)  # this thread keeps the GIL while it runs Python
+open(store + ".go", "w").close()
+t0 = time.monotonic()
+while time.monotonic() - t0 < 3.0:
+    pass
+sys.setswitchinterval(0.005)
+print(reader.stdout.read().strip(), flush=True)
+twobit_ddp.shutdown()
+print("RESULT", fut.wait().tolist(), twobit_ddp._gloo_threads_idle())
+"""
+
+
+def test_shutdown_waits_for_gloo_threads(tmp_path):
+    """While a gloo thread waits for the GIL to run the hook's callback (or free what a
+    collective held), its threads are not idle; once it ran, they are, and shutdown() ends the
+    group: the wait that keeps a rank from freeing the group or exiting under such a thread."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    other = subprocess.Popen([sys.executable, "-c", SHUTDOWN_JOB, str(tmp_path / "store"), "1"],
+                             env=env)
+    out = subprocess.run([sys.executable, "-c", SHUTDOWN_JOB, str(tmp_path / "store"), "0"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert other.wait(timeout=60) == 0
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    read = next(l for l in out.stdout.splitlines() if l.startswith("READ"))
+    assert eval(read[len("READ "):]) == [False] * 20, read  # waiting for the GIL all along
+    assert "RESULT [4.0, 4.0, 4.0, 4.0] None" in out.stdout, out.stdout  # 2 ranks x 1, x 2

@@ -398,3 +398,64 @@ def register(model, state, hook=twobit_hook):
     state.name_parameters(model.named_parameters())
     model.register_comm_hook(state, hook)
     return state
+
+
+
+def shutdown(process_group=None, timeout=10.0):
+    """Ends torch.distributed on every rank at the end of a job that trained with the hook, in
+    place of ``dist.destroy_process_group()``: a barrier, then a wait (at most ``timeout``
+    seconds) until gloo's worker threads wait for work, then ``destroy_process_group``.
+
+    A gloo thread completes a collective, wakes the rank that waits for it, and only then frees
+    what the collective held: the hook's Python callbacks and the tensors that Python let go of
+    first, both of which take the GIL. If the rank reaches the interpreter's exit in the meantime,
+    the thread aborts the process ("terminate called without an active exception"); if it frees
+    the process group while holding the GIL (the DDP model freed as ``main()`` returns), the rank
+    hangs. DDP's own Python hooks (fp16, PowerSGD) do the same on gloo, and the barrier's own
+    work holds the collectives before it; hence the wait, with the GIL released."""
+    dist.barrier(group=process_group)
+    _wait_gloo_idle(timeout)
+    dist.destroy_process_group(process_group)
+
+
+_FUTEX = {"x86_64": "202", "aarch64": "98", "arm64": "98"}
+
+
+def _gloo_threads_idle(pid="self"):
+    """True when every gloo worker thread of process ``pid`` waits for work (in an untimed futex
+    wait; one that runs, or waits for the GIL with its timed wait, is not idle); None where
+    /proc cannot tell or there are none."""
+    import glob
+    import platform
+    futex = _FUTEX.get(platform.machine())
+    tasks = glob.glob("/proc/%s/task/*" % pid)
+    if futex is None or not tasks:
+        return None
+    seen = False
+    for task in tasks:
+        try:
+            with open(task + "/comm") as f:
+                if f.read().strip() != "pt_gloo_runloop":
+                    continue
+            with open(task + "/syscall") as f:
+                call = f.read().split()
+        except OSError:  # the thread ended
+            continue
+        seen = True
+        if len(call) < 5 or call[0] != futex or int(call[4], 16) != 0:
+            return False
+    return True if seen else None
+
+
+def _wait_gloo_idle(timeout):
+    deadline = time.monotonic() + timeout
+    calm = 0
+    while time.monotonic() < deadline:
+        idle = _gloo_threads_idle()
+        if idle is None:  # no /proc, or no gloo threads found by name: a pause instead
+            time.sleep(0.2)
+            return
+        calm = calm + 1 if idle else 0
+        if calm == 3:  # three looks in a row, 5 ms apart
+            return
+        time.sleep(0.005)

@@ -82,5 +82,5 @@ for i, cell in enumerate(fc.cells("ddp", size)):
     os.makedirs(os.path.join(args.out, str(i)), exist_ok=True)
     np.savez(os.path.join(args.out, str(i), "rank%d.npz" % rank), **rec)
     print("rank %d cell %d %s done" % (rank, i, fc.encode(cell)), flush=True)
-dist.destroy_process_group()
+twobit_ddp.shutdown()  # a barrier, then destroy_process_group
 print("rank %d done" % rank, flush=True)

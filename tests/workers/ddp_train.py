@@ -148,4 +148,4 @@ rec["checks"] = np.array(json.dumps(st.get("fallback_checks")))
 for n, p in net.named_parameters():
     rec["w/" + n] = p.detach().numpy().copy()
 np.savez(os.path.join(out, "rank%d.npz" % rank), **rec)
-dist.destroy_process_group()
+twobit_ddp.shutdown()  # a barrier, then destroy_process_group
