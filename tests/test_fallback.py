@@ -356,7 +356,9 @@ def test_torch_checker_follows_each_buckets_launches(monkeypatch):
     for s, mode in enumerate(sched, start=1):
         want = {k: fallback.is_plain(mode, picks[k]) for k in "ab"}
         assert step("ab", lambda n: sched[n - 1]) == want, s
+    assert not any(checker.settled(n) for n in range(len(sched) + 1))
     assert step("ab", lambda n: fallback.PLAIN) == {"a": True, "b": True}  # plain kept
+    assert checker.settled(len(sched) + 1)  # from here on every launch takes the kept mode
     assert checker.summary()["kept"] == "plain"
     assert checker.summary()["median_span_ms"]["plain"] == pytest.approx(1e3)
     # a new bucket: checked anew on its own launches (a compressed pick: model and plain)

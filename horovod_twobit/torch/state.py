@@ -58,6 +58,7 @@ class TwoBitState:
         self.decisions = {}  # (bucket key, number of ranks) -> "compressed" / "plain"
         self._links = {}  # (process set id, size) -> the measured Link
         self._checkers = {}  # (process set id, size) -> the checked decision (fallback="auto")
+        self._settled = {}  # (bucket key, process set id, size) -> plain, once its check chose
         # (bucket, process set, size) whose ranks all announced the scatter exchange
         self.agreed = set()
         self.stats_log = StatsLog()
@@ -134,6 +135,9 @@ class TwoBitState:
         if self.fallback != "auto" or not self.check_fallback:
             return decide(self.decisions, bucket.names, bucket.layout, n, exchange, self.fallback,
                           link), None
+        settled = self._settled.get((bucket.key, process_set.process_set_id, n))
+        if settled is not None:  # decided: the same mode at every launch from now on
+            return settled, None
         key = (process_set.process_set_id, n)
         checker = self._checkers.get(key)
         if checker is None:
@@ -143,6 +147,8 @@ class TwoBitState:
         plain, check = checker.plain(bucket.key, pick,
                                      lambda: times(bucket.layout, n, exchange, link()), started)
         self.decisions[(bucket.key, n)] = "plain" if plain else "compressed"
+        if check[0].settled(check[1]):
+            self._settled[(bucket.key, process_set.process_set_id, n)] = plain
         return plain, check
 
     def link(self, process_set, device):
@@ -217,3 +223,4 @@ class TwoBitState:
         self.decisions.clear()
         self._links.clear()
         self._checkers.clear()
+        self._settled.clear()

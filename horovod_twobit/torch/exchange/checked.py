@@ -87,6 +87,10 @@ class Checker:
             mode = self.chosen
         return fallback.is_plain(mode, pick), (self, k)
 
+    def settled(self, step):
+        """Whether a bucket's launch ``step`` took the chosen mode, as all its later ones will."""
+        return self.chosen is not None and step > len(self.steps)
+
     def finished(self, step):
         """A flight of ``step`` has returned its results."""
         if 1 <= step <= len(self.steps or ()):
