@@ -15,8 +15,11 @@
 # 3. `python -m horovod_twobit.advise calibrate --device cuda` into a profile of this GPU with
 #    the Triton kernels, and the advisor's ResNet-50 projection (64 workers, 25 Gbit/s) and
 #    worker counts 8-1024 with it and with the shipped h200 profile (before);
+# 4. DDP's 2-bit hook on the GPU: tests/test_ddp.py's CUDA jobs (2 torchrun processes on the one
+#    GPU, gloo with CUDA tensors: every step bit for bit against the NumPy reference, a fault
+#    included; a short training run whose losses follow the same run on the CPU);
 # then one table of everything. Each part has its own time limit, and a part that fails does not
-# stop the others; the exit status is that of the tests.
+# stop the others; the exit status is that of the tests (1, then 4).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -122,6 +125,15 @@ for prof in h200 "$PROFILE"; do
 done
 cat "$OUT/advise.txt"
 
+# ------------------------------------------------------------------ 4. DDP's hook on the GPU
+say "4. DDP's 2-bit hook on the GPU (torchrun, 2 processes)"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -k cuda tests/test_ddp.py \
+  >"$OUT/ddp.txt" 2>&1
+DDP_RC=$?
+tail -n 15 "$OUT/ddp.txt"
+DDP_LINE=$(grep -E "passed|failed|error" "$OUT/ddp.txt" | tail -n 1)
+[ "$DDP_RC" = 124 ] && DDP_LINE="timed out after 240 s; $DDP_LINE"
+
 # ------------------------------------------------------------------ one table
 rc_word() { case "$1" in 0) echo ok ;; 124) echo "timed out" ;; *) echo "failed ($1)" ;; esac; }
 echo
@@ -130,10 +142,12 @@ echo
 echo "| part | result | where |"
 echo "|---|---|---|"
 echo "| CUDA tests | ${TESTS_LINE:-no result} | $OUT/tests.txt |"
+echo "| DDP hook on the GPU | ${DDP_LINE:-no result} | $OUT/ddp.txt |"
 echo "| codec benchmark | $(rc_word $BENCH_RC) | $OUT/bench.txt, bench.json |"
 echo "| calibrate | $(rc_word $CAL_RC) | $PROFILE |"
 echo "| advisor, h200 then this GPU's profile | $(grep -c '^###' "$OUT/advise.txt") runs | $OUT/advise.txt |"
 echo
 sed -n '/^| rows |/,$p' "$OUT/bench.txt"
 say "done"
-exit "$TESTS_RC"
+[ "$TESTS_RC" = 0 ] || exit "$TESTS_RC"
+exit "$DDP_RC"

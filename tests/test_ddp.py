@@ -52,11 +52,22 @@ def _plain(local, nranks):
     return total / np.float32(nranks)
 
 
+def _has_cuda():
+    import torch
+    return torch.cuda.is_available()
+
+
+CUDA = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nranks,threshold,modes", [
     (2, 0.05, "nosync,unused"), (2, 0.05, "scatter,min=10,nosync,fault=inf"),
     (3, "auto", "view,static,xauto,min=10,fault=-inf"),
-    (2, "auto", "scatter,fallback=checked")])
+    (2, "auto", "scatter,fallback=checked"),
+    pytest.param(2, 0.05, "cuda,nosync", marks=CUDA, id="2-0.05-cuda,nosync"),
+    pytest.param(2, "auto", "cuda,xauto,min=10,fault=inf", marks=CUDA,
+                 id="2-auto-cuda,xauto,min=10,fault=inf")])
 def test_ddp_hook_matches_the_reference(tmp_path, nranks, threshold, modes):
     out = _run(tmp_path, nranks, threshold, modes)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -127,6 +138,29 @@ def test_ddp_hook_matches_the_reference(tmp_path, nranks, threshold, modes):
         for step in range(1, STEPS, 2):
             assert not ranks[0]["local/%d/extra.weight" % step].any()
         assert ranks[0]["local/0/extra.weight"].any()
+
+
+@CUDA
+@pytest.mark.parametrize("threshold", [0.05, "auto"])
+def test_ddp_training_on_cuda_follows_the_cpu_run(tmp_path, threshold):
+    """The same job with the model on the GPU (2 processes on cuda:0) and on the CPU: its loss at
+    every step follows the CPU run's (the GPU's matrix products round differently; the hook
+    itself gives the reference's bits on both, above), and both end with the same weights
+    to within those roundings."""
+    runs = {}
+    for where in ("cpu", "cuda"):
+        out = tmp_path / where
+        out.mkdir()
+        res = _run(out, 2, threshold, "cuda" if where == "cuda" else "")
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        runs[where] = dict(np.load(os.path.join(out, "rank0.npz")))
+    cpu, gpu = runs["cpu"], runs["cuda"]
+    for step in range(STEPS):  # (at NAN_STEP both skip the optimizer's step)
+        np.testing.assert_allclose(gpu["loss/%d" % step], cpu["loss/%d" % step], rtol=1e-3,
+                                   err_msg="step %d" % step)
+    for k in cpu:
+        if k.startswith("w/"):
+            np.testing.assert_allclose(gpu[k], cpu[k], rtol=0, atol=1e-3, err_msg=k)
 
 
 def _decided(ranks, step, packed):

@@ -11,6 +11,7 @@ micro-batches a step, the first under ``model.no_sync()``), ``unused`` (a layer 
 only, find_unused_parameters=True), ``scatter`` / ``xauto`` (exchange="scatter" / "auto"),
 ``min=N`` (min_numel=N), ``fault=inf`` / ``fault=-inf`` (the fault injected instead of a NaN),
 ``mismatch`` (the last rank uses another threshold: every rank must raise, none hang),
+``cuda`` (the model and its gradients on the GPU, every rank on cuda:0, gloo moving CUDA tensors),
 ``fallback=checked`` (fallback="auto" with its check forced on, one round of each mode: steps
 sent plain and compressed, each bucket's decision recorded per step). The residuals the ranks keep
 as scatter owners and the final stats are recorded too.
@@ -40,6 +41,7 @@ fallback_mode = options.get("fallback")
 if fallback_mode == "checked":  # checked on every job, whatever the model's margin
     from horovod_twobit.state import fallback
     fallback.MARGIN, fallback.WARMUP, fallback.SAMPLES = float("inf"), 0, 1
+DEVICE = torch.device("cuda:0" if "cuda" in modes else "cpu")  # cuda: every rank on one GPU
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
@@ -62,7 +64,7 @@ class Net(torch.nn.Module):
         return y
 
 
-net = Net()
+net = Net().to(DEVICE)
 rec, calls = {}, []
 
 
@@ -91,8 +93,8 @@ faulty = net.body[2].bias
 
 def batch(step, micro):
     rng = np.random.default_rng(1000 * rank + 10 * step + micro)
-    x = torch.from_numpy(rng.standard_normal((8, WIDTHS[0])).astype(np.float32))
-    y = torch.from_numpy(rng.standard_normal((8, WIDTHS[-1])).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((8, WIDTHS[0])).astype(np.float32)).to(DEVICE)
+    y = torch.from_numpy(rng.standard_normal((8, WIDTHS[-1])).astype(np.float32)).to(DEVICE)
     return x, y
 
 
@@ -101,8 +103,8 @@ try:
         calls.clear()
         handle = None
         if step == NAN_STEP and rank == size - 1:
-            handle = faulty.register_hook(lambda g: g.index_put((torch.tensor([1]),),
-                                                                torch.tensor(fault)))
+            handle = faulty.register_hook(lambda g: g.index_put(
+                (torch.tensor([1], device=g.device),), torch.tensor(fault, device=g.device)))
         opt.zero_grad()
         if "nosync" in modes:  # a first micro-batch accumulates without communication
             with model.no_sync():
@@ -110,7 +112,9 @@ try:
                 (((model(x, step) - y) ** 2).mean() * 4.0).backward()
             assert not calls, "the hook ran under no_sync()"
         x, y = batch(step, 0)
-        (((model(x, step) - y) ** 2).mean() * 4.0).backward()
+        loss = ((model(x, step) - y) ** 2).mean() * 4.0
+        loss.backward()
+        rec["loss/%d" % step] = np.float64(loss.item())
         if handle is not None:
             handle.remove()
         if fallback_mode:  # each bucket's mode at this step
@@ -120,8 +124,8 @@ try:
             rec["names/%d/%d" % (step, i)] = np.array(names)
             offs = np.cumsum([0] + numels)
             for n, a, b in zip(names, offs, offs[1:]):
-                rec["local/%d/%s" % (step, n)] = local[a:b].numpy()
-                rec["agg/%d/%s" % (step, n)] = result[a:b].numpy()
+                rec["local/%d/%s" % (step, n)] = local[a:b].cpu().numpy()
+                rec["agg/%d/%s" % (step, n)] = result[a:b].cpu().numpy()
         saved = state.state_dict()
         for k, r in saved["residuals"].items():
             rec["res/%d/%s" % (step, k)] = np.asarray(r).reshape(-1).copy()
@@ -146,6 +150,6 @@ rec["stats_bytes"] = np.int64(sum(st["bytes_last_step"].values()))
 rec["stats"] = np.array(json.dumps(st))
 rec["checks"] = np.array(json.dumps(st.get("fallback_checks")))
 for n, p in net.named_parameters():
-    rec["w/" + n] = p.detach().numpy().copy()
+    rec["w/" + n] = p.detach().cpu().numpy().copy()
 np.savez(os.path.join(out, "rank%d.npz" % rank), **rec)
 twobit_ddp.shutdown()  # a barrier, then destroy_process_group
