@@ -47,7 +47,9 @@ class PlainFlight(Flight):
         return self.results is not None or mpi_ops.poll(self.handle)
 
     def _collect(self):
-        progress.wait(lambda: mpi_ops.poll(self.handle))
+        # as Horovod's own wait once no scatter step needs this rank's progress: no sleeping
+        # between polls, which added up to half a millisecond to a plain step
+        progress.wait(lambda: mpi_ops.poll(self.handle), until_done=False)
         return mpi_ops.synchronize(self.handle)
 
     def _decode(self, summed, divisor, out=None):
@@ -110,7 +112,7 @@ class StreamFlight(PlainFlight):
 
     def wait(self):
         if self.results is None:
-            progress.wait(self.poll)
+            progress.wait(self.poll, until_done=False)  # then Horovod's own wait (_collect)
             sent = [i for i, h in enumerate(self.handles) if h is not None]
             for i in sent:
                 mpi_ops.synchronize(self.handles[i])
