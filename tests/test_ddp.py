@@ -75,7 +75,9 @@ def test_ddp_hook_matches_the_reference(tmp_path, nranks, threshold, modes):
     exchange, min_numel = _options(modes)
     w = ref.Workers(nranks, threshold, exchange=exchange)
     seen_layouts, exchanges, modes_seen = set(), set(), set()
-    for step in range(STEPS):
+    steps = sum(1 for k in ranks[0] if k.startswith("buckets/"))  # STEPS, or more (fallback)
+    assert steps >= STEPS
+    for step in range(steps):
         nb = int(ranks[0]["buckets/%d" % step])
         assert all(int(r["buckets/%d" % step]) == nb for r in ranks)
         groups = [ranks[0]["names/%d/%d" % (step, i)].tolist() for i in range(nb)]

@@ -292,7 +292,8 @@ def test_checked_candidates_and_schedule():
     assert fallback.candidates([True, False], 1.0, 2.9) == [M, C, P]
     assert fallback.candidates([False], 1.0, 10.0, margin=float("inf")) == [M, P]
     assert fallback.schedule([M]) == []  # nothing to check
-    assert fallback.schedule([M, P], 1, 2) == [M, P, M, P, M, P]
+    assert fallback.TURN == 2
+    assert fallback.schedule([M, P], 1, 2) == [M, M, P, P] * 3
     assert len(fallback.schedule([M, C, P])) + 2 == fallback.start_steps()
     for pick in (False, True):
         assert fallback.is_plain(M, pick) is pick
@@ -300,18 +301,19 @@ def test_checked_candidates_and_schedule():
 
 
 def test_checked_medians_and_choice():
-    """The model pick's figure is the median of its timed steps (the warmup rounds and missing
-    spans left out), another mode's that median times the median ratio of its span to the
-    pick's in the same round; the fastest is kept, the model's pick unless another is faster by
-    more than TIE."""
+    """The model pick's figure is the median of its timed steps (the last of each turn; the
+    warmup rounds, a turn's first step and missing spans left out), another mode's that median
+    times the median ratio of its span to the pick's in the same round; the fastest is kept,
+    the model's pick unless another is faster by more than TIE."""
     M, C, P = fallback.MODEL, fallback.COMPRESSED, fallback.PLAIN
     steps = fallback.schedule([M, P], 1, 3)
-    spans = [9.0, 9.0, 1.0, 2.0, 1.2, 2.1, 5.0, None]  # the first round is warmup
+    # the first round is warmup; each turn's first step (the switch: 7.0) is not timed
+    spans = [9.0, 9.0, 9.0, 9.0, 7.0, 1.0, 7.0, 2.0, 7.0, 1.2, 7.0, 2.1, 7.0, 5.0, 7.0, None]
     figures = fallback.medians(steps, spans, warmup=1)
     assert figures[M] == pytest.approx(1.2) and figures[P] == pytest.approx(1.2 * 1.875)
     # a load that doubles from round to round falls on both: plain 10 % slower in each round
     steps = fallback.schedule([M, P], 0, 3)
-    figures = fallback.medians(steps, [1.0, 1.1, 2.0, 2.2, 4.0, 4.4], warmup=0)
+    figures = fallback.medians(steps, [0, 1.0, 0, 1.1, 0, 2.0, 0, 2.2, 0, 4.0, 0, 4.4], warmup=0)
     assert figures[P] == pytest.approx(2.0 * 1.1) and fallback.choose(figures) == M
     assert np.isnan(figures[C])
     assert fallback.choose(figures) == M

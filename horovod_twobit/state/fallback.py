@@ -153,8 +153,11 @@ def compress_pays(layout, nranks, exchange, link):
 # ----------------------------------------------------------------- the checked decision
 # The model's pick is a prediction; with fallback="auto" it is then checked on the job's own
 # steps. The candidates (the model's per-bucket picks, every bucket compressed, every bucket
-# plain: those that differ) take turns, one step each, for WARMUP untimed rounds and SAMPLES
-# timed ones; every rank runs the same schedule (a function of the step count alone), and rank
+# plain: those that differ) take turns of TURN steps, for WARMUP untimed rounds and SAMPLES
+# timed ones. Only a turn's last step is timed: its first pays the switch (a plain step after a
+# compressed one sends g + r as one bucket, where a steady plain step streams g member by member
+# as Horovod would; a first step may compile), which the mode kept would not pay again. Every
+# rank runs the same schedule (a function of the step count alone), and rank
 # 0's medians decide, broadcast, so every rank keeps the same candidate. A candidate's figure is
 # the span of a step's exchanges: from the first gradient handed to the compressor to the last
 # result it returned (PyTorch), or from the start of the traced step to the last result
@@ -162,7 +165,8 @@ def compress_pays(layout, nranks, exchange, link):
 
 MODEL, COMPRESSED, PLAIN = 0, 1, 2
 MODE_NAMES = ("model", "compressed", "plain")
-WARMUP = 1  # untimed rounds first: a candidate's first step may compile its kernels
+TURN = 2  # steps per candidate and round: the last one timed
+WARMUP = 0  # untimed rounds first (a turn's first step already absorbs a compile)
 SAMPLES = 7  # timed rounds: each candidate's figure is the median of as many steps
 MARGIN = 3.0  # not checked where the model has one side this many times faster than the other
 TIE = 0.01  # the model's pick is kept unless another candidate is faster by more than this
@@ -171,7 +175,7 @@ TIE = 0.01  # the model's pick is kept unless another candidate is faster by mor
 def start_steps():
     """Steps a job runs before its checked decision holds, at most: the model's step, the
     longest schedule (every mode in turns) and the step that decides."""
-    return 2 + len(MODE_NAMES) * (WARMUP + SAMPLES)
+    return 2 + len(MODE_NAMES) * TURN * (WARMUP + SAMPLES)
 
 
 def is_plain(mode, pick):
@@ -197,26 +201,29 @@ def candidates(picks, compressed_s, plain_s, margin=None):
 
 
 def schedule(modes, warmup=None, samples=None):
-    """The mode of each checked step: the modes in turns, ``warmup + samples`` rounds (none with
-    one mode: nothing to check)."""
+    """The mode of each checked step: the modes in turns of TURN steps, ``warmup + samples``
+    rounds (none with one mode: nothing to check)."""
     warmup = WARMUP if warmup is None else warmup
     samples = SAMPLES if samples is None else samples
-    return [] if len(modes) < 2 else [m for _ in range(warmup + samples) for m in modes]
+    return [] if len(modes) < 2 else [m for _ in range(warmup + samples) for m in modes
+                                      for _ in range(TURN)]
 
 
 def medians(steps, spans, warmup=None):
-    """[figure] per mode (NaN for a mode never timed) of a schedule's timed steps: the model's
-    pick's median span, and each other mode's as that median times the median, over the rounds,
-    of its span over the model pick's span in the same round (paired, so that a change in the
-    machine's load between rounds falls on both alike)."""
+    """[figure] per mode (NaN for a mode never timed) of a schedule's timed steps (the last of
+    each turn, after the warmup rounds): the model's pick's median span, and each other mode's
+    as that median times the median, over the rounds, of its span over the model pick's span in
+    the same round (paired, so that a change in the machine's load between rounds falls on both
+    alike)."""
     import math
     import statistics
-    nmodes = len(set(steps))
-    skip = (WARMUP if warmup is None else warmup) * nmodes
+    per_round = max(len(set(steps)), 1) * TURN
+    skip = (WARMUP if warmup is None else warmup) * per_round
     rounds = {}  # round -> {mode: span}
     for i, (mode, s) in enumerate(zip(steps, spans)):
-        if i >= skip and s is not None and math.isfinite(s) and s > 0:
-            rounds.setdefault(i // max(nmodes, 1), {})[mode] = s
+        timed = i >= skip and i % TURN == TURN - 1
+        if timed and s is not None and math.isfinite(s) and s > 0:
+            rounds.setdefault(i // per_round, {})[mode] = s
     base = [r[MODEL] for r in rounds.values() if MODEL in r]
     out = [statistics.median(base) if base else float("nan")]
     for m in range(1, len(MODE_NAMES)):

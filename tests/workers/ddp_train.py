@@ -41,6 +41,7 @@ fallback_mode = options.get("fallback")
 if fallback_mode == "checked":  # checked on every job, whatever the model's margin
     from horovod_twobit.state import fallback
     fallback.MARGIN, fallback.WARMUP, fallback.SAMPLES = float("inf"), 0, 1
+    STEPS = fallback.start_steps() + 1  # the schedule, the step that decides and one after it
 DEVICE = torch.device("cuda:0" if "cuda" in modes else "cpu")  # cuda: every rank on one GPU
 torch.set_num_threads(1)
 dist.init_process_group("gloo")

@@ -79,7 +79,6 @@ def measure(process_set, state):
 
 # ----------------------------------------------------------------- the checked decision
 _local = threading.local()
-_MAX_STEPS = len(fallback.MODE_NAMES) * (fallback.WARMUP + fallback.SAMPLES)
 
 
 class Check:
@@ -99,8 +98,11 @@ class Check:
         self.steps = None
         self.count = state.variable(np.int64(0))
         self.length = state.variable(np.int64(0))
-        self.sched = state.variable(np.zeros(_MAX_STEPS, np.int32))
-        self.spans = state.variable(np.full(_MAX_STEPS, np.nan))
+        # the longest schedule with the settings of now (read at each trace)
+        self.max_steps = len(fallback.MODE_NAMES) * fallback.TURN * (fallback.WARMUP +
+                                                                      fallback.SAMPLES)
+        self.sched = state.variable(np.zeros(self.max_steps, np.int32))
+        self.spans = state.variable(np.full(self.max_steps, np.nan))
         self.chosen = state.variable(np.int32(fallback.MODEL))
         self.figures = state.variable(np.full(len(fallback.MODE_NAMES), np.nan))
         self.step = self.count.read_value()
@@ -109,7 +111,7 @@ class Check:
         decide_now = tf.logical_and(tf.equal(self.step, n + 1), n > 0)
         chosen = tf.cond(decide_now, self._decide, self.chosen.read_value)
         scheduled = tf.gather(self.sched.read_value(),
-                              tf.clip_by_value(self.step - 1, 0, _MAX_STEPS - 1))
+                              tf.clip_by_value(self.step - 1, 0, self.max_steps - 1))
         self.mode = tf.where(tf.equal(self.step, 0), fallback.MODEL,
                              tf.where(self.step <= n, scheduled, chosen))
 
@@ -151,13 +153,14 @@ class Check:
         step's span and count in the graph; returns ``results`` after them."""
         self.steps = fallback.schedule_of(list(self.firsts.values()))
         with tf.init_scope():
-            self.sched.assign(np.array(self.steps + [0] * (_MAX_STEPS - len(self.steps)), np.int32))
+            padded = self.steps + [0] * (self.max_steps - len(self.steps))
+            self.sched.assign(np.array(padded, np.int32))
             self.length.assign(len(self.steps))
         done = [r for r in results if r is not None]
         with tf.control_dependencies(done):
             span = tf.timestamp() - self.t0
         timed = tf.logical_and(self.step >= 1, self.step <= self.length.read_value())
-        index = tf.reshape(tf.clip_by_value(self.step - 1, 0, _MAX_STEPS - 1), [1, 1])
+        index = tf.reshape(tf.clip_by_value(self.step - 1, 0, self.max_steps - 1), [1, 1])
         updates = [tf.cond(timed, lambda: self.spans.scatter_nd_update(index, [span]).value()[0],
                            lambda: span),
                    self.count.assign_add(1)]
