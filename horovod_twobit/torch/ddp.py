@@ -283,20 +283,14 @@ def _compressed(state, b, parts, pg, nranks, rank):
     lay = b.layout
     r = b.residual(parts[0].device)
     g = b.gradient(parts)
-    plain, check = (state.plain(b, _Group(pg), g.device, time.perf_counter()) if state.fallback
-                    else (False, None))
+    plain = (state.plain(b, _Group(pg), g.device, time.perf_counter())[0] if state.fallback
+             else False)
     if plain:
         fut = _plain(state, b, r, g, pg, nranks)
     else:
         b.zero_residual = None
         fut = _encoded(state, b, r, g, pg, nranks, rank)
-    if check is None:
-        return fut
-
-    def checked_step(done):
-        check[0].finished(check[1])
-        return done.value()
-    return fut.then(checked_step)
+    return fut
 
 
 def _plain(state, b, r, g, pg, nranks):

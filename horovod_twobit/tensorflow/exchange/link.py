@@ -87,8 +87,8 @@ class Check:
     shape, new buckets) checks anew. The step's mode is decided in the graph from the number
     of steps run, the same on every rank: the model's picks at step 0, the schedule's modes in
     turns after it (set when the trace ends, from every bucket's pick), then the mode that rank
-    0's medians chose, broadcast at the first step after the schedule. A step's span runs from
-    the start of the traced step to its last result."""
+    0's medians chose, broadcast at the first step after the schedule. A step's figure runs
+    from the start of its traced gradient reduction to the next step's (the whole step)."""
 
     def __init__(self, state, process_set):
         self.state, self.process_set = state, process_set
@@ -102,7 +102,7 @@ class Check:
         self.max_steps = len(fallback.MODE_NAMES) * fallback.TURN * (fallback.WARMUP +
                                                                       fallback.SAMPLES)
         self.sched = state.variable(np.zeros(self.max_steps, np.int32))
-        self.spans = state.variable(np.full(self.max_steps, np.nan))
+        self.starts = state.variable(np.full(self.max_steps, np.nan))  # of scheduled steps
         self.chosen = state.variable(np.int32(fallback.MODEL))
         self.figures = state.variable(np.full(len(fallback.MODE_NAMES), np.nan))
         self.step = self.count.read_value()
@@ -117,9 +117,9 @@ class Check:
 
     def _decide(self):
         figures = tf.numpy_function(self._medians, [self.sched.read_value(),
-                                                    self.spans.read_value(),
-                                                    self.length.read_value()], tf.float64,
-                                    stateful=True)
+                                                    self.starts.read_value(),
+                                                    self.length.read_value(), self.t0],
+                                    tf.float64, stateful=True)
         figures = tf.reshape(figures, [len(fallback.MODE_NAMES)])
         if self.process_set.size() > 1:
             figures = mpi_ops.broadcast(figures, 0, name="twobit.fallback.checked.%d" % self.serial,
@@ -129,10 +129,12 @@ class Check:
             return tf.identity(chosen)
 
     @staticmethod
-    def _medians(sched, spans, n):
+    def _medians(sched, starts, n, now):
+        """The figures from the scheduled steps' starts and ``now``, the next step's."""
         n = int(n)
-        return np.array(fallback.medians([int(m) for m in sched[:n]], [float(s) for s in spans[:n]]),
-                        np.float64)
+        starts = [float(s) for s in starts[:n]] + [float(now)]
+        periods = [b - a for a, b in zip(starts, starts[1:])]
+        return np.array(fallback.medians([int(m) for m in sched[:n]], periods), np.float64)
 
     def _choose(self, figures):
         chosen = fallback.choose([float(x) for x in figures])
@@ -150,19 +152,17 @@ class Check:
 
     def end(self, results):
         """After the step's buckets were traced: sets the schedule (now, eagerly), and records the
-        step's span and count in the graph; returns ``results`` after them."""
+        step's start and count in the graph; returns ``results`` after them."""
         self.steps = fallback.schedule_of(list(self.firsts.values()))
         with tf.init_scope():
             padded = self.steps + [0] * (self.max_steps - len(self.steps))
             self.sched.assign(np.array(padded, np.int32))
             self.length.assign(len(self.steps))
-        done = [r for r in results if r is not None]
-        with tf.control_dependencies(done):
-            span = tf.timestamp() - self.t0
         timed = tf.logical_and(self.step >= 1, self.step <= self.length.read_value())
         index = tf.reshape(tf.clip_by_value(self.step - 1, 0, self.max_steps - 1), [1, 1])
-        updates = [tf.cond(timed, lambda: self.spans.scatter_nd_update(index, [span]).value()[0],
-                           lambda: span),
+        updates = [tf.cond(timed,
+                           lambda: self.starts.scatter_nd_update(index, [self.t0]).value()[0],
+                           lambda: self.t0),
                    self.count.assign_add(1)]
         with tf.control_dependencies(updates):
             return [None if r is None else tf.identity(r) for r in results]

@@ -118,8 +118,6 @@ class Flight:
         b = self.bucket
         b.state.stats_log.finished(self.nonfinite)
         b.steps += 1
-        if self.check is not None:
-            self.check[0].finished(self.check[1])
         if self.prepares_stats and not self.nonfinite:  # else read from the residuals
             if self._norms is None:  # the collective was done before the wait
                 self._prepare_stats(self.r)

@@ -117,7 +117,7 @@ class Bucket:
                 self._started = time.perf_counter()
                 rnd.decided = self.decide(call[3], tensor.device)
                 if rnd.decided[0] and self.zero_residual == self.state.residuals.generation:
-                    rnd.stream = self._stream(call, rnd.decided[1])
+                    rnd.stream = self._stream(call)
             elif name in rnd.arrived:
                 raise RuntimeError("tensor %r was submitted twice before its bucket was sent: "
                                    "wait for its handle before submitting it again" % name)
@@ -145,27 +145,25 @@ class Bucket:
         started, self._started = self._started or time.perf_counter(), None
         return c.plain(self, process_set, device, started)
 
-    def _stream(self, call, check):
+    def _stream(self, call):
         """This step's :class:`StreamFlight`: the bucket goes plain with a zero residual."""
         prev, self._flight = self._flight, None
         if prev is not None:
             prev.wait()
         op, prescale, postscale, process_set = call
         self._flight = StreamFlight(self, op, prescale, postscale, process_set, in_place=True)
-        self._flight.check = check
         return self._flight
 
     def launch(self, tensors, op, prescale, postscale, process_set, in_place, decided=None):
         prev, self._flight = self._flight, None
         if prev is not None:
             prev.wait()  # its buffers are about to be reused; it was launched, so this ends
-        plain, check = decided or self.decide(process_set, tensors[0].device)
+        plain = (decided or self.decide(process_set, tensors[0].device))[0]
         if plain:
             cls = PlainFlight
         else:
             cls = ScatterFlight if self.exchange(process_set.size())[0] == "scatter" else Flight
         self._flight = cls(self, tensors, op, prescale, postscale, process_set, in_place)
-        self._flight.check = check
         if not plain:
             self.zero_residual = None
         return self._flight

@@ -51,7 +51,7 @@ class Checker:
         self.launches = {}  # bucket key -> its launches so far
         self.first = {}  # bucket key -> (model pick, modelled (compressed s, plain s))
         self.steps = None  # the schedule, made at the first bucket's second launch
-        self.starts, self.ends = {}, {}  # checked step -> its first start, its last finish
+        self.starts = {}  # checked step -> when its first gradient arrived
         self.chosen = None
         self.figures = None  # rank 0's median span per mode
         self._lock = threading.Lock()
@@ -59,7 +59,7 @@ class Checker:
 
     def plain(self, key, pick, times, started):
         """(Whether bucket ``key``, whose model pick is ``pick``, goes plain at this launch; the
-        checker that decided and the launch's step, for :meth:`finished`). ``times()``: the
+        checker that decided and the launch's step, for :meth:`settled`). ``times()``: the
         model's (compressed, plain) seconds for the bucket; ``started``: when its first member
         arrived (``time.perf_counter``)."""
         with self._lock:
@@ -75,7 +75,7 @@ class Checker:
                 self.first[key] = (pick, times())
             elif self.steps is None:  # every bucket of step 0 has launched
                 self.steps = fallback.schedule_of(list(self.first.values()))
-            if 1 <= k <= len(self.steps or ()):
+            if 1 <= k <= len(self.steps or ()) + 1:  # (the step after the schedule ends its last)
                 self.starts[k] = min(self.starts.get(k, float("inf")), started)
         if self.steps is not None and k > len(self.steps) and self.chosen is None:
             self._decide()  # the first launch after the schedule, on every rank
@@ -91,13 +91,6 @@ class Checker:
         """Whether a bucket's launch ``step`` took the chosen mode, as all its later ones will."""
         return self.chosen is not None and step > len(self.steps)
 
-    def finished(self, step):
-        """A flight of ``step`` has returned its results."""
-        if 1 <= step <= len(self.steps or ()):
-            now = time.perf_counter()
-            with self._lock:
-                self.ends[step] = max(self.ends.get(step, 0.0), now)
-
     def _decide(self):
         with self._deciding:
             if self.chosen is not None:
@@ -107,8 +100,11 @@ class Checker:
                 self.chosen = fallback.MODEL
                 return
             with self._lock:
-                spans = [self.ends[j] - self.starts[j] if j in self.ends and j in self.starts
-                         else None for j in range(1, len(steps) + 1)]
+                # a step's figure: from its first gradient to the next step's first gradient,
+                # the whole step (what a mode costs outside its exchanges counts too)
+                spans = [self.starts[j + 1] - self.starts[j]
+                         if j in self.starts and j + 1 in self.starts else None
+                         for j in range(1, len(steps) + 1)]
             figures = fallback.medians(steps, spans)
             if self.size > 1:
                 figures = self.broadcast(figures, "twobit.fallback.checked.%d" % self.generation)

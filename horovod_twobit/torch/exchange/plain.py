@@ -139,7 +139,5 @@ class StreamFlight(PlainFlight):
             b = self.bucket
             b.state.stats_log.finished(nonfinite)
             b.steps += 1
-            if self.check is not None:
-                self.check[0].finished(self.check[1])
             self.results = out
         return self.results
