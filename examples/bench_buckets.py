@@ -12,7 +12,8 @@ Models (both frameworks):
 Methods: none, fp16 (Horovod's Compression.fp16), twobit (TwoBitCompressor(0.01)) and auto
 (TwoBitCompressor("auto")), the last two bucketed (the default) and alone (bucket_bytes=0);
 ``twobit/SIZE`` and ``auto/SIZE`` (e.g. ``twobit/256K``, ``auto/16M``) set bucket_bytes;
-``twobit_fallback`` and ``auto_fallback`` (also with ``/SIZE``) add ``fallback="auto"``.
+``twobit_fallback`` and ``auto_fallback`` (also with ``/SIZE``) add ``fallback="auto"``,
+``twobit_always`` ``fallback="always"`` (every bucket plain: the plain exchange's own cost).
 ``--read-stats`` adds to each of these a ``+stats`` twin that reads ``compressor.stats()`` after
 every step, and a table of what that costs (:mod:`horovod_twobit.benchmarks.stats_cost`).
 
@@ -59,7 +60,9 @@ def compression(method, hvd, twobit):
     if method == "fp16":
         return hvd.Compression.fp16
     kind, _, size = method.partition("/")
-    kind, fallback = kind.split("_fallback")[0], "auto" if kind.endswith("_fallback") else None
+    fallback = ("auto" if kind.endswith("_fallback") else "always" if kind.endswith("_always")
+                else None)
+    kind = kind.split("_fallback")[0].split("_always")[0]
     if kind not in ("twobit", "auto"):
         raise ValueError("unknown method %r" % method)
     return twobit(0.01 if kind == "twobit" else "auto", bucket_bytes=bucket_bytes(size),
