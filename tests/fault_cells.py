@@ -53,6 +53,15 @@ def faulty(framework, bucketing):
     return TENSORS[framework][0 if bucketing == "one" else 1][0]
 
 
+def inject(cell, framework, rank, name, step, g):
+    """A torch gradient with the cell's fault in it where this is the faulty rank, tensor and
+    step (else ``g`` itself)."""
+    if step == FAULT_STEP and rank == int(cell.rank) and name == faulty(framework, cell.bucketing):
+        g = g.clone()
+        g.view(-1)[INDEX] = KINDS[cell.kind]
+    return g
+
+
 def threshold(cell):
     return cell.threshold if cell.threshold == "auto" else float(cell.threshold)
 

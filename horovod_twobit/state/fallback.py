@@ -233,6 +233,15 @@ def medians(steps, spans, warmup=None):
     return out
 
 
+def from_starts(steps, starts):
+    """:func:`medians` of a schedule from when each step started: ``starts[j]`` is when scheduled
+    step j started (None if unknown), ``starts[len(steps)]`` when the step after them did; a
+    step's figure is the whole step, from its start to the next one's."""
+    spans = [b - a if a is not None and b is not None else None
+             for a, b in zip(starts, starts[1:])]
+    return medians(steps, spans)
+
+
 def choose(figures, tie=TIE):
     """The mode with the shortest median span (``figures``, from :func:`medians`); the model's
     pick unless another is faster by more than ``tie``."""

@@ -283,14 +283,10 @@ def _compressed(state, b, parts, pg, nranks, rank):
     lay = b.layout
     r = b.residual(parts[0].device)
     g = b.gradient(parts)
-    plain = (state.plain(b, _Group(pg), g.device, time.perf_counter())[0] if state.fallback
-             else False)
-    if plain:
-        fut = _plain(state, b, r, g, pg, nranks)
-    else:
-        b.zero_residual = None
-        fut = _encoded(state, b, r, g, pg, nranks, rank)
-    return fut
+    if state.fallback and state.plain(b, _Group(pg), g.device, time.perf_counter()):
+        return _plain(state, b, r, g, pg, nranks)
+    b.zero_residual = None
+    return _encoded(state, b, r, g, pg, nranks, rank)
 
 
 def _plain(state, b, r, g, pg, nranks):
@@ -392,7 +388,6 @@ def register(model, state, hook=twobit_hook):
     state.name_parameters(model.named_parameters())
     model.register_comm_hook(state, hook)
     return state
-
 
 
 def shutdown(process_group=None, timeout=10.0):

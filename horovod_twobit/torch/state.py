@@ -123,9 +123,7 @@ class TwoBitState:
 
     # ------------------------------------------------------------------ the fallback
     def plain(self, bucket, process_set, device, started):
-        """(Whether ``bucket`` goes uncompressed at this launch, the checked decision's
-        (:class:`~horovod_twobit.torch.exchange.link.Checker`, step) or None): never without
-        ``fallback``; always with "always"; with "auto" the model's pick (from the measured link
+        """Whether ``bucket`` goes uncompressed at this launch: never without ``fallback``; always with "always"; with "auto" the model's pick (from the measured link
         and codec, made once per bucket and number of ranks, logged once), checked on the job's
         first steps (:mod:`horovod_twobit.state.fallback`). ``started``: when the bucket's first
         member arrived. :attr:`decisions` holds each bucket's mode at its last launch."""
@@ -134,22 +132,23 @@ class TwoBitState:
         link = lambda: self.link(process_set, device)  # noqa: E731
         if self.fallback != "auto" or not self.check_fallback:
             return decide(self.decisions, bucket.names, bucket.layout, n, exchange, self.fallback,
-                          link), None
+                          link)
         settled = self._settled.get((bucket.key, process_set.process_set_id, n))
         if settled is not None:  # decided: the same mode at every launch from now on
-            return settled, None
+            return settled
         key = (process_set.process_set_id, n)
         checker = self._checkers.get(key)
         if checker is None:
             from horovod_twobit.torch.exchange.checked import Checker
             checker = self._checkers[key] = Checker(n, self.broadcaster(process_set, device))
         pick = decide(checker.picks, bucket.names, bucket.layout, n, exchange, self.fallback, link)
-        plain, check = checker.plain(bucket.key, pick,
-                                     lambda: times(bucket.layout, n, exchange, link()), started)
+        plain, (who, step) = checker.plain(bucket.key, pick,
+                                           lambda: times(bucket.layout, n, exchange, link()),
+                                           started)
         self.decisions[(bucket.key, n)] = "plain" if plain else "compressed"
-        if check[0].settled(check[1]):
+        if who.settled(step):
             self._settled[(bucket.key, process_set.process_set_id, n)] = plain
-        return plain, check
+        return plain
 
     def link(self, process_set, device):
         """The measured :class:`horovod_twobit.state.fallback.Link` of this process set (rank

@@ -49,7 +49,7 @@ def run(cell, rec):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     local = {}
     for n, prm in net.named_parameters():
-        prm.register_hook(lambda g, n=n: inject(cell, n, step, g))
+        prm.register_hook(lambda g, n=n: fc.inject(cell, "ddp", rank, n, step, g))
         prm.register_hook(lambda g, n=n: local.__setitem__(n, g.clone()))
     for step in range(fc.STEPS):
         x, y = batch(step)
@@ -66,14 +66,6 @@ def run(cell, rec):
             opt.step()
     for n, prm in net.named_parameters():
         rec["w/" + n] = prm.detach().numpy().copy()
-
-
-def inject(cell, name, step, g):
-    """The gradient with the cell's fault in it, where this is the faulty rank, tensor and step."""
-    if step == fc.FAULT_STEP and rank == int(cell.rank) and name == fc.faulty("ddp", cell.bucketing):
-        g = g.clone()
-        g.view(-1)[fc.INDEX] = fc.KINDS[cell.kind]
-    return g
 
 
 for i, cell in enumerate(fc.cells("ddp", size)):

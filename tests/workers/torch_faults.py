@@ -38,11 +38,7 @@ def batch(step):
 
 
 def inject(cell, name, step, g):
-    """The gradient with the cell's fault in it, where this is the faulty rank, tensor and step."""
-    if step == fc.FAULT_STEP and rank == int(cell.rank) and name == fc.faulty("torch", cell.bucketing):
-        g = g.clone()
-        g.view(-1)[fc.INDEX] = fc.KINDS[cell.kind]
-    return g
+    return fc.inject(cell, "torch", rank, name, step, g)
 
 
 def residuals(rec, c, step):

@@ -132,9 +132,9 @@ class Check:
     def _medians(sched, starts, n, now):
         """The figures from the scheduled steps' starts and ``now``, the next step's."""
         n = int(n)
-        starts = [float(s) for s in starts[:n]] + [float(now)]
-        periods = [b - a for a, b in zip(starts, starts[1:])]
-        return np.array(fallback.medians([int(m) for m in sched[:n]], periods), np.float64)
+        return np.array(fallback.from_starts([int(m) for m in sched[:n]],
+                                             [float(s) for s in starts[:n]] + [float(now)]),
+                        np.float64)
 
     def _choose(self, figures):
         chosen = fallback.choose([float(x) for x in figures])

@@ -116,7 +116,7 @@ class Bucket:
                 rnd = self._round = _Round(self, call)
                 self._started = time.perf_counter()
                 rnd.decided = self.decide(call[3], tensor.device)
-                if rnd.decided[0] and self.zero_residual == self.state.residuals.generation:
+                if rnd.decided and self.zero_residual == self.state.residuals.generation:
                     rnd.stream = self._stream(call)
             elif name in rnd.arrived:
                 raise RuntimeError("tensor %r was submitted twice before its bucket was sent: "
@@ -137,11 +137,10 @@ class Bucket:
             return Handle(rnd, self.index[name])
 
     def decide(self, process_set, device):
-        """(Whether this step goes plain, the fallback's check and step, or None), made once
-        per step: see the state's ``plain``."""
+        """Whether this step goes plain, decided once per step: see the state's ``plain``."""
         c = self.state
         if not c.fallback:
-            return False, None
+            return False
         started, self._started = self._started or time.perf_counter(), None
         return c.plain(self, process_set, device, started)
 
@@ -158,7 +157,7 @@ class Bucket:
         prev, self._flight = self._flight, None
         if prev is not None:
             prev.wait()  # its buffers are about to be reused; it was launched, so this ends
-        plain = (decided or self.decide(process_set, tensors[0].device))[0]
+        plain = self.decide(process_set, tensors[0].device) if decided is None else decided
         if plain:
             cls = PlainFlight
         else:
@@ -210,7 +209,7 @@ class _Round:
         self.arrived = {}
         self.flight = None
         self.singles = None
-        self.decided = (False, None)  # the fallback's decision for this step
+        self.decided = False  # the fallback's decision for this step: plain
         self.stream = None  # a StreamFlight: the members sent as they arrive
 
     def poll(self):

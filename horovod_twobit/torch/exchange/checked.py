@@ -100,12 +100,8 @@ class Checker:
                 self.chosen = fallback.MODEL
                 return
             with self._lock:
-                # a step's figure: from its first gradient to the next step's first gradient,
-                # the whole step (what a mode costs outside its exchanges counts too)
-                spans = [self.starts[j + 1] - self.starts[j]
-                         if j in self.starts and j + 1 in self.starts else None
-                         for j in range(1, len(steps) + 1)]
-            figures = fallback.medians(steps, spans)
+                starts = [self.starts.get(j) for j in range(1, len(steps) + 2)]
+            figures = fallback.from_starts(steps, starts)
             if self.size > 1:
                 figures = self.broadcast(figures, "twobit.fallback.checked.%d" % self.generation)
             self.figures = figures
