@@ -15,7 +15,7 @@ import horovod.torch as hvd_torch
 import horovod.torch.mpi_ops as mpi_ops
 import horovod.torch.optimizer as hvd_optimizer
 
-from horovod_twobit.torch.exchange import progress
+from horovod_twobit.torch.exchange import horovod_ops, progress
 from horovod_twobit.torch.exchange.allgather import check_call
 from horovod_twobit.torch.exchange.bucket import Handle
 from horovod_twobit.torch.state import TwoBitState
@@ -23,7 +23,7 @@ from horovod_twobit.torch.state import TwoBitState
 _MODULES = (hvd_torch, mpi_ops, hvd_optimizer)
 _NAMES = ("allreduce", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async_",
           "synchronize", "poll", "DistributedOptimizer")
-_originals = {}
+_originals = horovod_ops.originals  # name -> Horovod's own function, while installed
 _lock = threading.Lock()
 _MARK = "_horovod_twobit"
 
@@ -64,8 +64,7 @@ def _state_of(compression):
     return state if isinstance(state, TwoBitState) else None
 
 
-def _orig(name):
-    return _originals.get(name) or getattr(mpi_ops, name)
+_orig = horovod_ops.own
 
 
 def _global_ps():
@@ -91,13 +90,13 @@ def _alone(tensor, pending, name, call, in_place):
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=None):
-    process_set = process_set or _global_ps()
     pending = pending_of(tensor)
     if pending is None:
         return _orig("allreduce_async_")(tensor, average=average, name=name, op=op,
                                          prescale_factor=prescale_factor,
-                                         postscale_factor=postscale_factor, process_set=process_set)
-    call = (_op(op, average), prescale_factor, postscale_factor, process_set)
+                                         postscale_factor=postscale_factor,
+                                         process_set=process_set or _global_ps())
+    call = (_op(op, average), prescale_factor, postscale_factor, process_set or _global_ps())
     bucket = pending.state.bucket_of(name)
     if bucket is not None and tensor.numel() == bucket.layout.numels[bucket.index[name]]:
         check_call(call[0], name)

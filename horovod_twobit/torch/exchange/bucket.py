@@ -41,6 +41,7 @@ class Bucket:
     def __init__(self, state, names, numels):
         self.state = state
         self.names = list(names)
+        self.plain_names = [n + ".plain" for n in self.names]  # the members' plain collectives
         self.index = {n: i for i, n in enumerate(self.names)}
         c = state
         self.layout = Layout(numels, c.threshold == "auto", c.block, c.blocks)

@@ -12,9 +12,8 @@ residuals as they were, as the compressed exchanges do.
 
 import torch
 
-import horovod.torch.mpi_ops as mpi_ops
-
 from horovod_twobit.torch.exchange import progress
+from horovod_twobit.torch.exchange.horovod_ops import own as horovod
 from horovod_twobit.torch.exchange.allgather import Flight
 
 
@@ -38,19 +37,19 @@ class PlainFlight(Flight):
         values = bucket.values
         c.stats_log.sent(bucket.key, bucket.names, self.EXCHANGE, 4 * self.sum.numel(),
                          lambda: (values, 0.0, 0), values, bucket.norms)
-        self.handle = mpi_ops.allreduce_async_(self.sum, name=bucket.names[0] + ".plain", op=op,
+        self.handle = horovod("allreduce_async_")(self.sum, name=bucket.plain_names[0], op=op,
                                                prescale_factor=prescale,
                                                postscale_factor=postscale,
                                                process_set=process_set)
 
     def poll(self):
-        return self.results is not None or mpi_ops.poll(self.handle)
+        return self.results is not None or horovod("poll")(self.handle)
 
     def _collect(self):
         # as Horovod's own wait once no scatter step needs this rank's progress: no sleeping
         # between polls, which added up to half a millisecond to a plain step
-        progress.wait(lambda: mpi_ops.poll(self.handle), until_done=False)
-        return mpi_ops.synchronize(self.handle)
+        progress.wait(lambda: horovod("poll")(self.handle), until_done=False)
+        return horovod("synchronize")(self.handle)
 
     def _decode(self, summed, divisor, out=None):
         """Horovod applied the op and the scale factors. A member whose result is finite has
@@ -90,32 +89,36 @@ class StreamFlight(PlainFlight):
         self.call = (op, prescale, postscale, process_set)
         n = len(bucket.names)
         self.tensors, self.sums, self.handles = [None] * n, [None] * n, [None] * n
+        self._names, self._allreduce = bucket.plain_names, horovod("allreduce_async_")
         c = bucket.state
         values = bucket.values
         c.stats_log.sent(bucket.key, bucket.names, self.EXCHANGE, 4 * values,
                          lambda: (values, 0.0, 0), values, bucket.norms)
 
     def add(self, index, tensor):
-        """Sends member ``index``'s gradient now."""
-        own = (self.in_place and tensor.dtype == torch.float32 and tensor.is_contiguous())
-        # a new tensor object in either case: the router leaves an unmarked tensor to Horovod
-        x = tensor.detach() if own else tensor.detach().to(torch.float32, copy=True)
+        """Sends member ``index``'s gradient now: a float32 one in place, as Horovod's own
+        allreduce would (called directly, so the router's mark on it does not matter), others
+        as a float32 copy. This runs once per member on the backward pass, where each
+        microsecond delays the member's collective: keep it short."""
+        own = self.in_place and tensor.dtype == torch.float32 and tensor.is_contiguous()
+        x = tensor if own else tensor.detach().to(torch.float32, copy=True)
         self.tensors[index], self.sums[index] = tensor, (x, own)
         op, prescale, postscale, process_set = self.call
-        self.handles[index] = mpi_ops.allreduce_async_(
-            x, name=self.bucket.names[index] + ".plain", op=op, prescale_factor=prescale,
-            postscale_factor=postscale, process_set=process_set)
+        self.handles[index] = self._allreduce(x, name=self._names[index], op=op,
+                                              prescale_factor=prescale,
+                                              postscale_factor=postscale, process_set=process_set)
 
     def poll(self):
-        return self.results is not None or all(
-            h is None or mpi_ops.poll(h) for h in self.handles)
+        poll = horovod("poll")
+        return self.results is not None or all(h is None or poll(h) for h in self.handles)
 
     def wait(self):
         if self.results is None:
             progress.wait(self.poll, until_done=False)  # then Horovod's own wait (_collect)
             sent = [i for i, h in enumerate(self.handles) if h is not None]
+            synchronize = horovod("synchronize")
             for i in sent:
-                mpi_ops.synchronize(self.handles[i])
+                synchronize(self.handles[i])
             # one check for the bucket (a norm is finite only if its values are; one that
             # overflows is checked member by member), then each member only if it failed
             xs = [self.sums[i][0] for i in sent]

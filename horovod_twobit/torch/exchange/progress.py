@@ -59,7 +59,9 @@ def wait(done, until_done=True):
     delay, longest = POLL_S
     while True:
         advance()
-        if done() or (not until_done and not _pending):
+        # no flight needs progress: a blocking wait follows, and polling first would only cost
+        # (a plain step's members each pass here)
+        if (not until_done and not _pending) or done():
             return
         time.sleep(delay)
         delay = min(2 * delay, longest)
