@@ -105,6 +105,22 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
     assert all(want in str(r["repr"]) for r in ranks), ranks[0]["repr"]
 
 
+@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=CONFIGS)
+def test_torch_collectives_keep_one_shape_per_name(tmp_path_factory, index):
+    """Every collective a bucket submits keeps one shape (and dtype) under its name, whatever the
+    steps switch between: Horovod's response cache keys on the name, and a cached name that
+    comes with another shape is renegotiated by every rank in that cycle. (A plain step's g + r
+    sent as one flat buffer once shared its name with the bucket's first member sent alone.)"""
+    _, ranks = _ranks(tmp_path_factory, "torch", index)
+    for r in ranks:
+        got = json.loads(str(r["collectives"]))
+        assert got, "no collective recorded"
+        if CONFIGS[index].endswith("always"):  # members alone once the residuals are zero
+            assert any(k.endswith(".plain") for k in got), sorted(got)
+        for name, shapes in got.items():
+            assert len(shapes) == 1, (name, shapes)
+
+
 def _schedule(rank):
     """The checked configuration's schedule, from the model's picks at step 0 (its workers
     check every job: one round of each mode, no warmup)."""

@@ -41,7 +41,11 @@ class Bucket:
     def __init__(self, state, names, numels):
         self.state = state
         self.names = list(names)
-        self.plain_names = [n + ".plain" for n in self.names]  # the members' plain collectives
+        # Horovod's names for the plain steps' collectives: each member alone, and the bucket's
+        # g + r as one flat buffer. Distinct, because Horovod's response cache keys on the name
+        # and renegotiates on every rank when a cached name comes with another shape.
+        self.plain_names = [n + ".plain" for n in self.names]
+        self.plain_sum_name = self.names[0] + ".plain_sum"
         self.index = {n: i for i, n in enumerate(self.names)}
         c = state
         self.layout = Layout(numels, c.threshold == "auto", c.block, c.blocks)

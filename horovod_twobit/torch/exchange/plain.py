@@ -37,7 +37,7 @@ class PlainFlight(Flight):
         values = bucket.values
         c.stats_log.sent(bucket.key, bucket.names, self.EXCHANGE, 4 * self.sum.numel(),
                          lambda: (values, 0.0, 0), values, bucket.norms)
-        self.handle = horovod("allreduce_async_")(self.sum, name=bucket.plain_names[0], op=op,
+        self.handle = horovod("allreduce_async_")(self.sum, name=bucket.plain_sum_name, op=op,
                                                prescale_factor=prescale,
                                                postscale_factor=postscale,
                                                process_set=process_set)
