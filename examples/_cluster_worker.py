@@ -21,7 +21,8 @@ import time
 # the TwoBitCompressor methods: (fixed threshold or "auto", exchange)
 TWOBIT = {"twobit": ("fixed", "allgather"), "auto": ("auto", "allgather"),
           "scatter": ("fixed", "scatter"), "scatter_auto": ("auto", "scatter"),
-          "twobit_fallback": ("fixed", "allgather"), "auto_fallback": ("auto", "allgather")}
+          "twobit_fallback": ("fixed", "allgather"), "auto_fallback": ("auto", "allgather"),
+          "twobit_always": ("fixed", "allgather")}
 # about 3x the mean |gradient| of each model at step 0
 THRESHOLDS = {"mlp": 1e-3, "cnn": 1e-2, "resnet": 1e-2, "transformer": 1e-2, "digits": 7e-3,
               "charlstm": 6e-4}
@@ -232,6 +233,7 @@ def horovod_setup(args, methods):
             compression = TwoBitCompressor(threshold if kind == "fixed" else "auto",
                                            exchange=exchange, bucket_bytes=args.bucket_bytes,
                                            fallback="auto" if method.endswith("_fallback")
+                                           else "always" if method.endswith("_always")
                                            else None)
         else:
             compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]

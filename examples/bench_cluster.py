@@ -58,7 +58,8 @@ HOROVOD_METHODS = {"none": "Horovod, no compression", "fp16": "Horovod, Compress
                    "scatter": 'Horovod, TwoBitCompressor(exchange="scatter")',
                    "scatter_auto": 'Horovod, TwoBitCompressor("auto", exchange="scatter")',
                    "twobit_fallback": 'Horovod, TwoBitCompressor(fallback="auto")',
-                   "auto_fallback": 'Horovod, TwoBitCompressor("auto", fallback="auto")'}
+                   "auto_fallback": 'Horovod, TwoBitCompressor("auto", fallback="auto")',
+                   "twobit_always": 'Horovod, TwoBitCompressor(fallback="always")'}
 DDP_METHODS = {"ddp": "DDP, no hook", "ddp_fp16": "DDP, fp16_compress_hook",
                "ddp_quant": "DDP, quantization_pertensor_hook*", "ddp_powersgd": "DDP, powerSGD_hook**",
                "ddp_powersgd4": "DDP, powerSGD_hook** (rank 4)",
