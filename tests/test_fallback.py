@@ -81,6 +81,12 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
             zero[gi] = d == "plain" and (zero.get(gi, False) or finite)
     if mode != "auto":
         assert plain_steps > 0
+    if framework == "tf" and mode in ("auto", "checked"):
+        # the check's step start waits for the gradients (the ops of the backward pass that
+        # make them among its control inputs; none without the dependency)
+        for r in ranks:
+            starts = r["check_starts"].tolist()
+            assert len(starts) == 1 and starts[0] >= 2, starts
     if mode == "checked":  # the schedule ran, and rank 0's medians chose one mode for all
         checks = [json.loads(str(r["checks"])) for r in ranks]
         assert checks[0] == checks[1] and len(checks[0]) == 1, checks

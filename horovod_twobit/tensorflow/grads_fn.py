@@ -67,7 +67,7 @@ def _build_grads_fn(name, device_dense, device_sparse, compression, sparse_as_de
         # fallback="auto": the model's picks are checked on the first steps of this trace
         from horovod_twobit.tensorflow.exchange import link
         with tf.name_scope(name + "_FallbackCheck"):
-            check = link.Check(state, process_set)
+            check = link.Check(state, process_set, after=grads)
         state.checks.append(check)
         with link.checking(check):
             out = reduce_grads(grads, vars, use_generic_names, keys)

@@ -94,6 +94,14 @@ def run(spec):
                                      dtype=np.float64)
     rec["repr"] = np.array(repr(c))
     rec["checks"] = np.array(json.dumps(c.stats().get("fallback_checks")))
+    # where the checked decision's step starts: its timestamp runs once the gradients it reduces
+    # are there (their ops among its control inputs), not wherever the executor puts it
+    graph = step_fn.get_concrete_function(x, y, f).graph
+    starts = [op for op in graph.get_operations()
+              if op.type == "Timestamp" and "FallbackCheck" in op.name]
+    grads_of = {op.name for op in graph.get_operations() if "gradient_tape" in op.name}
+    rec["check_starts"] = np.array([sum(d.name in grads_of for d in op.control_inputs)
+                                    for op in starts], dtype=np.int64)
     return rec
 
 

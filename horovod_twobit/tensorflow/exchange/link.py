@@ -88,9 +88,10 @@ class Check:
     of steps run, the same on every rank: the model's picks at step 0, the schedule's modes in
     turns after it (set when the trace ends, from every bucket's pick), then the mode that rank
     0's medians chose, broadcast at the first step after the schedule. A step's figure runs
-    from the start of its traced gradient reduction to the next step's (the whole step)."""
+    from the start of its traced gradient reduction (its gradients there) to the next step's
+    (the whole step)."""
 
-    def __init__(self, state, process_set):
+    def __init__(self, state, process_set, after=()):
         self.state, self.process_set = state, process_set
         self.serial = state.checks_made
         state.checks_made += 1
@@ -106,7 +107,11 @@ class Check:
         self.chosen = state.variable(np.int32(fallback.MODEL))
         self.figures = state.variable(np.full(len(fallback.MODE_NAMES), np.nan))
         self.step = self.count.read_value()
-        self.t0 = tf.timestamp()
+        # the step's start: once its gradients (``after``) are there, whatever the mode. Without
+        # a dependency the timestamp runs wherever the executor puts it, which can differ
+        # between the modes' graphs and bias one mode's figure against another's
+        with tf.control_dependencies([t for t in after if isinstance(t, tf.Tensor)]):
+            self.t0 = tf.timestamp()
         n = self.length.read_value()
         decide_now = tf.logical_and(tf.equal(self.step, n + 1), n > 0)
         chosen = tf.cond(decide_now, self._decide, self.chosen.read_value)
