@@ -123,8 +123,9 @@ class TwoBitState:
 
     # ------------------------------------------------------------------ the fallback
     def plain(self, bucket, process_set, device, started):
-        """Whether ``bucket`` goes uncompressed at this launch: never without ``fallback``; always with "always"; with "auto" the model's pick (from the measured link
-        and codec, made once per bucket and number of ranks, logged once), checked on the job's
+        """Whether ``bucket`` goes uncompressed at this launch: never without ``fallback``;
+        always with "always"; with "auto" the model's pick (from the measured link and codec,
+        made once per bucket and number of ranks, logged once), checked on the job's
         first steps (:mod:`horovod_twobit.state.fallback`). ``started``: when the bucket's first
         member arrived. :attr:`decisions` holds each bucket's mode at its last launch."""
         n = process_set.size()

@@ -18,6 +18,10 @@ from horovod_twobit.torch.exchange.allgather import Flight
 
 
 class PlainFlight(Flight):
+    """The bucket's g + r as one flat buffer. It waits as :class:`Flight` does, polling with
+    sleeps in between (``progress.wait``), not in Horovod's own wait, which spins on
+    ``sched_yield``: on a host held to a CPU quota that spinning took the CPU the collective
+    needed (plain steps at 3-5x no compression's on the emulated 4-host cluster)."""
 
     EXCHANGE = "plain"
 
@@ -41,19 +45,6 @@ class PlainFlight(Flight):
                                                prescale_factor=prescale,
                                                postscale_factor=postscale,
                                                process_set=process_set)
-
-    def poll(self):
-        return self.results is not None or horovod("poll")(self.handle)
-
-    def _collect(self):
-        # polls with sleeps in between, as the compressed exchanges wait (progress.wait), then
-        # Horovod's wait, which returns at once: Horovod's own wait spins on sched_yield, and
-        # on a host held to a CPU quota the spinning takes the time its background thread needs
-        # for the collective (plain steps at 3-5x no compression's on the emulated 4-host
-        # cluster, where Horovod alone, whose collectives are mostly done when it waits, spins
-        # little)
-        progress.wait(lambda: horovod("poll")(self.handle))
-        return horovod("synchronize")(self.handle)
 
     def _decode(self, summed, divisor, out=None):
         """Horovod applied the op and the scale factors. A member whose result is finite has
@@ -118,7 +109,7 @@ class StreamFlight(PlainFlight):
 
     def wait(self):
         if self.results is None:
-            progress.wait(self.poll)  # sleeping between polls, not spinning (_collect)
+            progress.wait(self.poll)  # sleeping between polls, not spinning (PlainFlight)
             sent = [i for i, h in enumerate(self.handles) if h is not None]
             synchronize = horovod("synchronize")
             for i in sent:

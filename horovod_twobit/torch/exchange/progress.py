@@ -60,7 +60,7 @@ def wait(done, until_done=True):
     while True:
         advance()
         # no flight needs progress: a blocking wait follows, and polling first would only cost
-        # (a plain step's members each pass here)
+        # (the router's synchronize passes here for every Horovod handle)
         if (not until_done and not _pending) or done():
             return
         time.sleep(delay)
