@@ -17,40 +17,55 @@ from horovod_twobit.state.fallback import validate_fallback
 
 pytestmark = pytest.mark.slow
 SWITCH = ["compressed", "compressed", "plain", "plain", "compressed", "plain"]  # the workers'
+HANDBACK = 4  # the workers' step before which "handback" loads residuals that are not zero
 CONFIGS = ["0.05:allgather:always", "auto:scatter:switch", "0.05:allgather:switch",
            "0.05:allgather:auto", "auto:allgather:checked"]
+# PyTorch's settled plain buckets go to Horovod's own allreduce, and come back from it
+CONFIGS_OF = {"torch": CONFIGS + ["0.05:allgather:handback"], "tf": CONFIGS}
+CASES = [(fw, i) for fw, configs in CONFIGS_OF.items() for i in range(len(configs))]
 
 
 def _ranks(tmp_path_factory, framework, index):
     def job():
         out = tmp_path_factory.mktemp("fallback")
-        res = jobs.run(2, "%s_fallback.py" % framework, "--out", out, "--configs", *CONFIGS,
-                       timeout=600)
+        res = jobs.run(2, "%s_fallback.py" % framework, "--out", out, "--configs",
+                       *CONFIGS_OF[framework], timeout=600)
         return res, out
     res, out = jobs.shared(("fallback", framework), job)
     return res, sim.load_ranks(str(out / str(index)), 2)
 
 
-@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=CONFIGS)
-@pytest.mark.parametrize("framework", ["torch", "tf"])
+@pytest.mark.parametrize("framework,index", CASES,
+                         ids=["%s-%s" % (fw, CONFIGS_OF[fw][i]) for fw, i in CASES])
 def test_fallback_matches_reference(tmp_path_factory, framework, index):
     res, ranks = _ranks(tmp_path_factory, framework, index)
-    threshold, exchange, mode = CONFIGS[index].split(":")
+    threshold, exchange, mode = CONFIGS_OF[framework][index].split(":")
     w = ref.Workers(2, threshold if threshold == "auto" else float(threshold), exchange=exchange)
     groups = [g.split(",") for g in ranks[0]["groups"].tolist()]
     plain_steps, zero = 0, {}  # zero: bucket -> its residuals are known to be zero
+    # PyTorch, a bucket settled plain ("always"): once a step went plain with its residuals
+    # known to be zero, the next ones are Horovod's own allreduce of g ("direct"), until
+    # residuals are loaded
+    settles = framework == "torch" and mode in ("always", "handback")
+    streamed = {}  # bucket -> its last step sent g alone (residuals known to be zero)
     for step in range(len(SWITCH)):
+        if mode == "handback" and step == HANDBACK:
+            for rank in range(2):
+                for n in w.residuals[rank]:
+                    w.residuals[rank][n][:] = np.float32(0.01 * (rank + 1))
+            zero, streamed = {}, {}
+        direct = [settles and streamed.get(gi, False) for gi in range(len(groups))]
         decisions = ranks[0]["decisions/%d" % step].tolist()
         assert all(r["decisions/%d" % step].tolist() == decisions for r in ranks)
-        if mode == "always":
+        if mode in ("always", "handback"):
             assert decisions == ["plain", "plain"]
         elif mode == "switch":
             assert decisions == [SWITCH[step]] * 2
         elif mode == "checked":
             assert decisions == _checked(ranks[0], step), step
-        for g, d in zip(groups, decisions):
+        for g, d, straight in zip(groups, decisions, direct):
             local = [[r["local/%d/%s" % (step, n)] for n in g] for r in ranks]
-            want = w.plain(g, local) if d == "plain" else w.bucket(g, local)
+            want = w.plain(g, local, direct=straight) if d == "plain" else w.bucket(g, local)
             plain_steps += d == "plain"
             for n, x in zip(g, want):
                 for rank, r in enumerate(ranks):
@@ -78,7 +93,13 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
             assert int(r["plain_bytes/%d" % step]) == 4 * plain_values
         for gi, (g, d) in enumerate(zip(groups, decisions)):
             finite = all(np.isfinite(ranks[0]["agg/%d/%s" % (step, n)]).all() for n in g)
+            streamed[gi] = d == "plain" and zero.get(gi, False)
             zero[gi] = d == "plain" and (zero.get(gi, False) or finite)
+        if framework == "torch":  # the optimizer hands its steps to Horovod from the next on
+            handed = settles and all(streamed.values())
+            assert all(bool(r["direct/%d" % step]) == handed for r in ranks), step
+    if settles:
+        assert any(bool(ranks[0]["direct/%d" % s]) for s in range(len(SWITCH)))
     if mode != "auto":
         assert plain_steps > 0
     if framework == "tf" and mode in ("auto", "checked"):
@@ -104,14 +125,15 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
         paces = [r["link_allgather"].tolist() for r in ranks]
         assert paces[0] and all(p == paces[0] for p in paces), paces
         assert all(np.isfinite(p) and p > 0 and p != 1.0 for p in paces[0]), paces
-        # logged once per bucket and rank: 2 buckets in the "always", "auto" and "checked"
-        # configurations
-        assert res.output.count("horovod-twobit: bucket") == 12, res
-    want = "fallback=%r" % ("always" if mode == "always" else "auto")
+        # logged once per bucket and rank: 2 buckets in the "always", "auto", "checked" (and
+        # "handback") configurations
+        logged = [c for c in CONFIGS_OF[framework] if c.split(":")[2] != "switch"]
+        assert res.output.count("horovod-twobit: bucket") == 4 * len(logged), res
+    want = "fallback=%r" % ("always" if mode in ("always", "handback") else "auto")
     assert all(want in str(r["repr"]) for r in ranks), ranks[0]["repr"]
 
 
-@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=CONFIGS)
+@pytest.mark.parametrize("index", range(len(CONFIGS_OF["torch"])), ids=CONFIGS_OF["torch"])
 def test_torch_collectives_keep_one_shape_per_name(tmp_path_factory, index):
     """Every collective a bucket submits keeps one shape (and dtype) under its name, whatever the
     steps switch between: Horovod's response cache keys on the name, and a cached name that
@@ -121,7 +143,8 @@ def test_torch_collectives_keep_one_shape_per_name(tmp_path_factory, index):
     for r in ranks:
         got = json.loads(str(r["collectives"]))
         assert got, "no collective recorded"
-        if CONFIGS[index].endswith("always"):  # members alone once the residuals are zero
+        if CONFIGS_OF["torch"][index].endswith(("always", "handback")):
+            # members alone once the residuals are zero
             assert any(k.endswith(".plain") for k in got), sorted(got)
         for name, shapes in got.items():
             assert len(shapes) == 1, (name, shapes)
@@ -132,16 +155,20 @@ def test_plain_wait_sleeps_while_another_rank_is_late():
     spins on sched_yield, and on a host held to a CPU quota (the emulated cluster's) that took
     the CPU the collective needed (plain steps at 3-5x no compression's). Rank 1 is 0.6 s late
     at a step sent as g + r and at one sent member by member; rank 0's training thread spends
-    little CPU waiting, and the steps after agree on every rank."""
+    little CPU waiting, and the steps after agree on every rank. (From the step after that one,
+    the buckets are settled plain and the optimizer's steps are Horovod's own, which waits as
+    Horovod does: rank 1 is late there too, and the results still agree.)"""
     res = jobs.run(2, "torch_plain_wait.py", timeout=240)
     recs = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in res.output.splitlines()
                    if "RESULT " in line), key=lambda r: r["rank"])
     assert len(recs) == 2, res
     waits = recs[0]["waits"]
-    for step in (0, 3):
+    for step in (0, 1, 3):
         wall, cpu = waits[step]
         assert wall > 0.4, waits  # it did wait for rank 1
-        assert cpu < 0.25 * wall, waits  # sleeping, not spinning
+        if step < 3:
+            assert cpu < 0.25 * wall, waits  # sleeping, not spinning
+    assert recs[0]["direct"] == [False, True, True, True, True, True], recs[0]["direct"]
     assert recs[0]["grads"] == recs[1]["grads"]  # every step, the late ones and those after
     assert recs[0]["weights"] == recs[1]["weights"]
     assert all(np.isfinite(w).all() for w in recs[0]["weights"])

@@ -104,11 +104,16 @@ class Workers:
                     for i, n in enumerate(names)]
         return reference_scatter.exchange(self, layout, names, grads, op, prescale, postscale)
 
-    def plain(self, names, grads, op="average", prescale=1.0, postscale=1.0):
+    def plain(self, names, grads, op="average", prescale=1.0, postscale=1.0, direct=False):
         """One step of a bucket sent uncompressed (the fallback): each member's g + r summed
         over the ranks in rank order, the op applied, and every rank's residual of that member
         set to zero. A member whose gradient held NaN or Inf on any rank gets NaN and keeps its
-        residuals. (Horovod's ring sums in its own order: equal to this for 2 ranks.)"""
+        residuals. (Horovod's ring sums in its own order: equal to this for 2 ranks.)
+
+        ``direct=True``: the step of a bucket settled plain whose residuals are zero, which
+        goes to Horovod's own allreduce as without a compressor: the same sums, but a value
+        that is not finite stays as the sums give it (NaN or Inf, value by value), and the
+        residuals stay zero."""
         N, out = self.nranks, []
         for i, name in enumerate(names):
             shape = np.shape(grads[0][i])
@@ -117,7 +122,11 @@ class Workers:
                 g = np.asarray(grads[rank][i], dtype=np.float32).reshape(-1)
                 res = self.residuals[rank].setdefault(name, np.zeros(g.size, dtype=np.float32))
                 xs.append(g + res)
-            if not all(np.isfinite(x).all() for x in xs):
+            finite = all(np.isfinite(x).all() for x in xs)
+            if direct:
+                assert not any(self.residuals[rank][name].any() for rank in range(N)), \
+                    "a direct step needs zero residuals"
+            elif not finite:
                 out.append(np.full(shape, np.nan, dtype=np.float32))
                 continue
             total = np.zeros_like(xs[0])
@@ -128,7 +137,8 @@ class Workers:
                 total *= scale
             if op == "average":
                 total /= np.float32(N)
-            for rank in range(N):
-                self.residuals[rank][name][:] = 0
+            if finite:
+                for rank in range(N):
+                    self.residuals[rank][name][:] = 0
             out.append(total.reshape(shape))
         return out

@@ -84,8 +84,10 @@ def _alone(tensor, pending, name, call, in_place):
     """Sends one tensor in a bucket of its own."""
     check_call(call[0], name)
     pending.routed = True
-    flight = pending.state.single(name, tensor).launch([tensor], *call, in_place=in_place)
-    return Handle(flight, 0)
+    bucket = pending.state.single(name, tensor)
+    if in_place and bucket.direct == (pending.state.residuals.generation, call):
+        return bucket.send_direct(tensor, name, call)  # settled plain: Horovod's own handle
+    return Handle(bucket.launch([tensor], *call, in_place=in_place), 0)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -101,6 +103,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     if bucket is not None and tensor.numel() == bucket.layout.numels[bucket.index[name]]:
         check_call(call[0], name)
         pending.routed = True
+        if bucket.direct == (pending.state.residuals.generation, call):
+            return bucket.send_direct(tensor, name, call)  # settled plain: Horovod's own handle
         return bucket.arrive(tensor, name, call)
     return _alone(tensor, pending, name, call, in_place=True)
 
@@ -234,7 +238,74 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, *ar
             params = [p for group in opt.param_groups for p in group["params"]
                       if p in opt._requires_update]
             state.plan([(names[p], p) for p in reversed(params)])
+            # the gradients the compressor takes: each in a planned bucket or alone
+            taken = [names[p] for p in params
+                     if p.is_floating_point() and p.numel() >= max(state.min_numel, 1)]
+            if taken:
+                _hand_over(opt, _OptimizerCompression(compression, state, taken))
     return opt
+
+
+class _OptimizerCompression:
+    """The compression an ``hvd.DistributedOptimizer`` holds for a ``TwoBitCompressor``: the
+    compressor itself, until every bucket of the optimizer's gradients is settled plain with a
+    zero residual (each bucket's ``direct``, checked after each step's synchronize). From then
+    on the gradients go unmarked to Horovod's own allreduce, exactly as with
+    ``compression=hvd.Compression.none``: not even the router's per-gradient work, which on a
+    host short of cores delayed each gradient's collective enough to cost 5-10 % of a step.
+    Each such step is still counted in the stats (one plain step per bucket). A change of the
+    residuals' generation (``reset``, ``load_state_dict``) hands the gradients back to the
+    compressor, which decides again."""
+
+    def __init__(self, face, state, names):
+        self.face, self.state, self.names = face, state, names
+        self.buckets = None  # the buckets of those gradients, once every one has its bucket
+        self.direct = None  # the residuals' generation from which every bucket is direct
+
+    def __getattr__(self, name):  # the compressor's own attributes (stats, decisions, ...)
+        if name == "face":
+            raise AttributeError(name)
+        return getattr(self.face, name)
+
+    def __repr__(self):
+        return repr(self.face)
+
+    def compress(self, tensor):
+        if self.direct is not None and self.direct == self.state.residuals.generation:
+            return tensor, None
+        return self.face.compress(tensor)
+
+    def decompress(self, tensor, ctx):
+        return self.face.decompress(tensor, ctx)
+
+    def after_step(self):
+        """Called after each synchronize of the optimizer: counts a step that went to Horovod
+        directly, or hands the next steps over once every bucket is direct."""
+        gen = self.state.residuals.generation
+        if self.direct == gen:
+            for b in self.buckets:
+                b.log_direct()
+            return
+        buckets = self.buckets
+        if buckets is None:  # planned buckets, and the tensors alone once they were sent
+            c = self.state
+            found = [c.bucket_of(n) or c.single_of(n) for n in self.names]
+            if any(b is None for b in found):
+                return
+            buckets = self.buckets = list({id(b): b for b in found}.values())
+        if all(b.direct is not None and b.direct[0] == gen for b in buckets):
+            self.direct = gen
+
+
+def _hand_over(opt, holder):
+    """Makes ``holder`` the optimizer's compression, told after each of its synchronizes."""
+    synchronize = opt.synchronize
+
+    def synchronize_then_count():
+        synchronize()
+        holder.after_step()
+    opt._compression = holder
+    opt.synchronize = synchronize_then_count
 
 
 _WRAPPERS = {"allreduce": allreduce, "allreduce_async_": allreduce_async_,

@@ -112,6 +112,10 @@ class TwoBitState:
             b = self._singles[name] = Bucket(self, [name], [tensor.numel()])
         return b
 
+    def single_of(self, name):
+        """The bucket of tensor ``name`` sent alone, if it was, else None."""
+        return self._singles.get(name)
+
     def group_bucket(self, names, tensors):
         """The bucket of a grouped allreduce's tensors (made once per group)."""
         from horovod_twobit.torch.exchange.bucket import Bucket
@@ -150,6 +154,17 @@ class TwoBitState:
         if who.settled(step):
             self._settled[(bucket.key, process_set.process_set_id, n)] = plain
         return plain
+
+    def settled_plain(self, bucket, process_set):
+        """Whether every later launch of ``bucket`` on ``process_set`` goes plain: with
+        "always", or once the checked decision of "auto" chose plain. (Without the check,
+        ``check_fallback = False``, :attr:`decisions` may be set by hand at any step: never.)"""
+        if self.fallback == "always":
+            return True
+        if self.fallback != "auto" or not self.check_fallback:
+            return False
+        key = (bucket.key, process_set.process_set_id, process_set.size())
+        return self._settled.get(key) is True
 
     def link(self, process_set, device):
         """The measured :class:`horovod_twobit.state.fallback.Link` of this process set (rank

@@ -32,6 +32,7 @@ def parse_args():
 
 # the fallback workers' forced decisions, step by step: both paths and the switches between them
 SWITCH = ["compressed", "compressed", "plain", "plain", "compressed", "plain"]
+HANDBACK = 4  # the step before which the "handback" configuration loads residuals
 
 
 def checked_schedule(mode):

@@ -3,7 +3,8 @@ with buckets (bucket_bytes=2048: a bucket of three tensors and a tensor alone), 
 rank's 0.bias gradient at step 2. Per configuration (--configs THRESHOLD:EXCHANGE:MODE):
 MODE "always" sends every bucket uncompressed; "switch" sets the decisions by hand, step by step
 (compressed, compressed, plain, plain, compressed, plain): both paths and the switches between
-them; "auto" measures the link and decides. Saves local and aggregated gradients, residuals after
+them; "auto" measures the link and decides; "handback" is "always" with residuals that are not zero
+loaded at step HANDBACK, after the buckets went to Horovod's own allreduce. Saves local and aggregated gradients, residuals after
 each step, the decisions, the stats' exchanges and the final weights to OUT/<index>/rank<r>.npz."""
 
 import json
@@ -14,7 +15,7 @@ import torch
 
 import horovod.torch as hvd
 from horovod_twobit.torch import TwoBitCompressor
-from configs import SWITCH, checked_schedule, parse_args, run_each
+from configs import HANDBACK, SWITCH, checked_schedule, parse_args, run_each
 
 args = parse_args()
 hvd.init()
@@ -55,7 +56,7 @@ def run(spec):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     c = TwoBitCompressor(threshold if threshold == "auto" else float(threshold),
                          bucket_bytes=2048, exchange=exchange,
-                         fallback="always" if mode == "always" else "auto")
+                         fallback="always" if mode in ("always", "handback") else "auto")
     checked_schedule(mode)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), compression=c)
@@ -83,6 +84,13 @@ def run(spec):
         rng = np.random.default_rng(1000 * rank + step)
         x = torch.from_numpy(rng.standard_normal((16, 12)).astype(np.float32))
         y = torch.from_numpy(rng.standard_normal((16, 6)).astype(np.float32))
+        if mode == "handback" and step == HANDBACK:
+            # residuals that are not zero, while the buckets are settled plain: the step must
+            # leave Horovod's direct path and send g + r again
+            saved = c.state_dict()
+            saved["residuals"] = {n: torch.full_like(r, 0.01 * (rank + 1))
+                                  for n, r in saved["residuals"].items()}
+            c.load_state_dict(saved)
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().mul(3.0).backward()
         opt.synchronize()
@@ -92,6 +100,8 @@ def run(spec):
         for k, r in c.state_dict()["residuals"].items():
             rec["res/%d/%s" % (step, k)] = np.asarray(r).reshape(-1).copy()
         rec["decisions/%d" % step] = np.array([c.decisions[(k, hvd.size())] for k in keys])
+        # whether the optimizer hands its gradients to Horovod's own allreduce from now on
+        rec["direct/%d" % step] = np.bool_(opt._compression.direct == c.state.residuals.generation)
         st = c.stats()
         rec["exchanges/%d" % step] = np.array([st["buckets"][k]["exchange"] for k in keys])
         rec["plain_bytes/%d" % step] = np.int64(st["bytes_last_step"].get("plain", 0))

@@ -1,5 +1,6 @@
 """A plain step's wait (TwoBitCompressor(fallback="always")) while another rank is late: rank 1
-sleeps before its backward pass at steps 0 (g + r as one buffer) and 3 (members sent alone);
+sleeps before its backward pass at steps 0 (g + r as one buffer), 1 (members sent alone) and 3
+(settled plain: Horovod's own allreduce, as without a compressor);
 rank 0 records its training thread's CPU seconds and the wall seconds of ``opt.synchronize()``
 at every step, and both ranks the aggregated gradients and final weights. Prints one JSON line
 per rank."""
@@ -14,7 +15,7 @@ import horovod.torch as hvd
 from horovod_twobit.torch import TwoBitCompressor
 
 LATE_S = 0.6
-LATE_STEPS = (0, 3)
+LATE_STEPS = (0, 1, 3)
 
 hvd.init()
 rank = hvd.rank()
@@ -24,7 +25,7 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Li
 c = TwoBitCompressor(0.05, fallback="always")
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                named_parameters=model.named_parameters(), compression=c)
-rec = {"rank": rank, "waits": [], "grads": []}
+rec = {"rank": rank, "waits": [], "grads": [], "direct": []}
 for step in range(6):
     g = torch.Generator().manual_seed(100 * rank + step)
     x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
@@ -37,6 +38,7 @@ for step in range(6):
     opt.synchronize()
     rec["waits"].append([time.perf_counter() - t0, time.thread_time() - c0])
     rec["grads"].append([p.grad.reshape(-1).tolist() for p in model.parameters()])
+    rec["direct"].append(opt._compression.direct is not None)
     with opt.skip_synchronize():
         opt.step()
 rec["weights"] = [p.detach().reshape(-1).tolist() for p in model.parameters()]

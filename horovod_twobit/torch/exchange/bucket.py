@@ -25,6 +25,7 @@ from horovod_twobit.wire.layout import Layout
 from horovod_twobit.torch.codec import stats as stats_read
 from horovod_twobit.torch import codec
 from horovod_twobit.torch.exchange.allgather import Flight
+from horovod_twobit.torch.exchange.horovod_ops import own as horovod
 from horovod_twobit.torch.exchange.plain import PlainFlight, StreamFlight
 from horovod_twobit.torch.exchange.scatter import ScatterFlight
 
@@ -59,6 +60,11 @@ class Bucket:
         # that sent every member), else None: the next plain step then sends g alone
         self.zero_residual = None
         self._flight = None  # the last step sent
+        # (registry generation, call) from which this bucket's steps are Horovod's own allreduce
+        # of each member's g, as without a compressor (:meth:`send_direct`): its mode is settled
+        # plain and its residual zero. None until then.
+        self.direct = None
+        self._plain_reader = lambda: (self.values, 0.0, 0)
         self._exchanges = {}  # number of ranks -> (exchange, its Chunks or None)
         self.owner_scratch = None  # the scatter exchange's "auto" owner buffer (ScatterFlight)
         # for the stats: its key, real values, bytes per (ranks, rank, exchange), residual norms
@@ -121,8 +127,10 @@ class Bucket:
                 rnd = self._round = _Round(self, call)
                 self._started = time.perf_counter()
                 rnd.decided = self.decide(call[3], tensor.device)
-                if rnd.decided and self.zero_residual == self.state.residuals.generation:
+                gen = self.state.residuals.generation
+                if rnd.decided and self.zero_residual == gen:
                     rnd.stream = self._stream(call)
+                    rnd.settled = self.state.settled_plain(self, call[3])
             elif name in rnd.arrived:
                 raise RuntimeError("tensor %r was submitted twice before its bucket was sent: "
                                    "wait for its handle before submitting it again" % name)
@@ -136,10 +144,34 @@ class Bucket:
                 self._round = None
                 if rnd.stream is not None:
                     rnd.flight = rnd.stream
+                    if rnd.settled and all(t.dtype == torch.float32 and t.is_contiguous()
+                                           for t in rnd.arrived.values()):
+                        # from the next step on, Horovod's own allreduce (send_direct)
+                        self.direct = (self.state.residuals.generation, call)
                 else:
                     rnd.flight = self.launch([rnd.arrived[n] for n in self.names], *call,
                                              in_place=True, decided=rnd.decided)
             return Handle(rnd, self.index[name])
+
+    def send_direct(self, tensor, name, call):
+        """Sends member ``name``'s float32 gradient through Horovod's own in-place allreduce and
+        returns Horovod's handle, as without a compressor: the bucket's mode is settled plain and
+        its residual zero (:attr:`direct`), so there is nothing to add, to check or to commit.
+        A step whose sum is not finite gives what Horovod gives (NaN or Inf), and the residual
+        stays zero. The first member of the bucket records the step in the stats."""
+        i = self.index[name]
+        if i == 0:
+            self.log_direct()
+        op, prescale, postscale, process_set = call
+        return horovod("allreduce_async_")(tensor, name=self.plain_names[i], op=op,
+                                           prescale_factor=prescale, postscale_factor=postscale,
+                                           process_set=process_set)
+
+    def log_direct(self):
+        """Records one step of this bucket sent as Horovod's own allreduce of g (:attr:`direct`)."""
+        self.steps += 1
+        self.state.stats_log.sent(self.key, self.names, "plain", 4 * self.values,
+                                  self._plain_reader, self.values, self.norms)
 
     def decide(self, process_set, device):
         """Whether this step goes plain, decided once per step: see the state's ``plain``."""
@@ -170,6 +202,11 @@ class Bucket:
         self._flight = cls(self, tensors, op, prescale, postscale, process_set, in_place)
         if not plain:
             self.zero_residual = None
+        elif (self.layout.single and in_place and self._flight.sum is self._flight.g
+              and self.state.settled_plain(self, process_set)):
+            # a tensor alone, sent in place with a zero residual: from the next step on,
+            # Horovod's own allreduce (send_direct)
+            self.direct = (self.state.residuals.generation, (op, prescale, postscale, process_set))
         return self._flight
 
     def exchange(self, nranks):
@@ -216,6 +253,7 @@ class _Round:
         self.singles = None
         self.decided = False  # the fallback's decision for this step: plain
         self.stream = None  # a StreamFlight: the members sent as they arrive
+        self.settled = False  # plain at every later step too (the state's settled_plain)
 
     def poll(self):
         return self.flight is not None and self.flight.poll()
