@@ -14,6 +14,11 @@ Methods: none, fp16 (Horovod's Compression.fp16), twobit (TwoBitCompressor(0.01)
 ``twobit/SIZE`` and ``auto/SIZE`` (e.g. ``twobit/256K``, ``auto/16M``) set bucket_bytes;
 ``twobit_fallback`` and ``auto_fallback`` (also with ``/SIZE``) add ``fallback="auto"``,
 ``twobit_always`` ``fallback="always"`` (every bucket plain: the plain exchange's own cost).
+A method followed by ``#TAG`` (``none#2``) is another instance of the same method, with its own
+model and names: the difference between the two is the bench's own spread (an A/A pair).
+``--instances K`` builds every method K times (each with its own model, names and, with a
+fallback, its own check) and pools their steps: on 2 shared cores two instances of one method
+differed by up to 11 % within a run, more than most differences between methods.
 ``--read-stats`` adds to each of these a ``+stats`` twin that reads ``compressor.stats()`` after
 every step, and a table of what that costs (:mod:`horovod_twobit.benchmarks.stats_cost`).
 
@@ -55,6 +60,7 @@ ONE_RANK = ("needs 2 ranks or more: on one rank Horovod's DistributedOptimizer a
 
 
 def compression(method, hvd, twobit):
+    method = method.split("#")[0].split("@")[0]  # another instance of the same method
     if method == "none":
         return hvd.Compression.none
     if method == "fp16":
@@ -115,25 +121,45 @@ def timed(hvd, steps_of, counts, build, args, row, out, read_out, fit=False, sta
     steady steps)}, the slower rank's."""
     reads = stats_cost.add_reads(steps_of, counts, build, fit) if args.read_stats else {}
     times, starts = interleaved(steps_of, args)
-    for method, t in times.items():
-        out[(row, method)] = (_median_across(hvd, t), counts[method])
-        if start_out is not None and starts[method]:
-            extra = sum(starts[method]) - len(starts[method]) * statistics.median(t)
-            start_out[(row, method)] = (len(starts[method]),
-                                        float(max(hvd.allgather_object(extra))))
+    pooled, extras = {}, {}  # a method's instances (``--instances``) pooled
+    for inst, t in times.items():
+        method = inst.split("@")[0]
+        pooled.setdefault(method, []).extend(t)
+        out[(row, method)] = (None, counts[inst])
+        if start_out is not None and starts[inst]:
+            extra = sum(starts[inst]) - len(starts[inst]) * statistics.median(t)
+            extras.setdefault(method, []).append((len(starts[inst]), extra))
+    for method, t in pooled.items():
+        out[(row, method)] = (_median_across(hvd, t), out[(row, method)][1])
+    for method, got in extras.items():
+        extra = statistics.mean(e for _, e in got)
+        start_out[(row, method)] = (got[0][0], float(max(hvd.allgather_object(extra))))
     for twin, d in stats_cost.timed_reads(reads, times).items():
         read_out[(row, twin)] = _median_across(hvd, d)
 
 
 def kept(comps, row, starts):
-    """Adds to ``starts`` what each fallback method's check kept, and its modes' figures."""
-    for method, comp in comps.items():
+    """Adds to ``starts`` what each fallback method's check kept, and its modes' figures (per
+    instance, ``--instances``)."""
+    said = {}
+    for inst, comp in comps.items():
+        method = inst.split("@")[0]
         checks = comp.stats().get("fallback_checks") if "_fallback" in method else None
         if checks and (row, method) in starts:
-            starts[(row, method)] += ("; ".join(
+            said.setdefault(method, []).extend(
                 "%s (%s)" % (c["kept"], ", ".join("%s %.1f ms" % kv
                                                    for kv in c["median_span_ms"].items()))
-                for c in checks),)
+                for c in checks)
+    for method, got in said.items():
+        starts[(row, method)] += ("; ".join(got),)
+
+
+def instances(args):
+    """The methods' instances to build: each method, or ``--instances`` K of it (METHOD@k)."""
+    methods = args.methods.split(",")
+    if args.instances <= 1:
+        return methods
+    return ["%s@%d" % (m, k) for m in methods for k in range(1, args.instances + 1)]
 
 
 def start_table(starts):
@@ -164,7 +190,7 @@ def run_torch(args):
         def build(method, model_name=model_name):
             return torch_step(model_name, method, args, torch, hvd, TwoBitCompressor)
         steps_of, counts, comps = {}, {}, {}
-        for method in args.methods.split(","):
+        for method in instances(args):
             steps_of[method], counts[method], comps[method] = build(method)
         timed(hvd, steps_of, counts, build, args, model_name, out, reads, start_out=starts)
         kept(comps, model_name, starts)
@@ -210,7 +236,7 @@ def run_tf(args):
                 return tf_step(model_name, loop, method, args, tf, hvd, hvd_keras,
                                TwoBitCompressor)
             steps_of, counts, comps = {}, {}, {}
-            for method in args.methods.split(","):
+            for method in instances(args):
                 steps_of[method], counts[method], comps[method] = build(method)
             timed(hvd, steps_of, counts, build, args, row, out, reads, fit=loop == "fit",
                   start_out=starts)
@@ -284,6 +310,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps", type=int, default=1, help="timed steps per method and round")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per method first")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="build every method this many times and pool their steps")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tf-loops", default="tape",
@@ -315,10 +343,10 @@ def main(argv=None):
                 print("\n" + tf_profile.table(results, args.worker), flush=True)
         return
     print("machine: %s, %d cores, Python %s; %d ranks on localhost, %d thread(s) each; "
-          "median of %d rounds x %d steps per method, interleaved, after %d"
+          "median of %d rounds x %d steps per method (x %d instances), interleaved, after %d"
           % (platform.processor() or platform.machine(), os.cpu_count(),
              platform.python_version(), args.np, args.threads, args.rounds, args.steps,
-             args.warmup), flush=True)
+             args.instances, args.warmup), flush=True)
     bindir = os.path.dirname(sys.executable)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS=str(args.threads),
