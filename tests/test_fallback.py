@@ -48,6 +48,7 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
     # residuals are loaded
     settles = framework == "torch" and mode in ("always", "handback")
     streamed = {}  # bucket -> its last step sent g alone (residuals known to be zero)
+    hand_steps = 0  # steps of the check sent plain through Horovod's own allreduce
     for step in range(len(SWITCH)):
         if mode == "handback" and step == HANDBACK:
             for rank in range(2):
@@ -55,6 +56,20 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
                     w.residuals[rank][n][:] = np.float32(0.01 * (rank + 1))
             zero, streamed = {}, {}
         direct = [settles and streamed.get(gi, False) for gi in range(len(groups))]
+        if framework == "torch":
+            # a check's plain step after a plain one (its residuals zero) goes to Horovod's own
+            # allreduce: "checked" knows its schedule; "auto" at least keeps to the rule
+            handed = [bool(r["handed/%d" % step]) for r in ranks]
+            assert handed[0] == handed[1], step
+            all_plain = all(d == "plain" for d in ranks[0]["decisions/%d" % step].tolist())
+            may = (mode in ("auto", "checked") and step >= 2 and all_plain
+                   and all(zero.get(gi, False) for gi in range(len(groups))))
+            if mode == "checked":
+                assert handed[0] == (may and step <= len(_schedule(ranks[0]))), step
+            else:
+                assert may or not handed[0], step
+            hand_steps += handed[0]
+            direct = [d or handed[0] for d in direct]
         decisions = ranks[0]["decisions/%d" % step].tolist()
         assert all(r["decisions/%d" % step].tolist() == decisions for r in ranks)
         if mode in ("always", "handback"):
@@ -100,6 +115,8 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
             assert all(bool(r["direct/%d" % step]) == handed for r in ranks), step
     if settles:
         assert any(bool(ranks[0]["direct/%d" % s]) for s in range(len(SWITCH)))
+    if framework == "torch" and mode == "checked":
+        assert hand_steps > 0
     if mode != "auto":
         assert plain_steps > 0
     if framework == "tf" and mode in ("auto", "checked"):

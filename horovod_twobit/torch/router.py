@@ -8,6 +8,7 @@ allgather + decode + sum; every other call goes to the original function unchang
 """
 
 import threading
+import time
 
 import torch
 
@@ -248,12 +249,19 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, *ar
 
 class _OptimizerCompression:
     """The compression an ``hvd.DistributedOptimizer`` holds for a ``TwoBitCompressor``: the
-    compressor itself, until every bucket of the optimizer's gradients is settled plain with a
-    zero residual (each bucket's ``direct``, checked after each step's synchronize). From then
-    on the gradients go unmarked to Horovod's own allreduce, exactly as with
-    ``compression=hvd.Compression.none``: not even the router's per-gradient work, which on a
-    host short of cores delayed each gradient's collective enough to cost 5-10 % of a step.
-    Each such step is still counted in the stats (one plain step per bucket). A change of the
+    compressor itself, except for the steps that go to Horovod's own allreduce unmarked, exactly
+    as with ``compression=hvd.Compression.none`` (not even the router's per-gradient work, which
+    on a host short of cores delayed each gradient's collective enough to cost 5-10 % of a
+    step):
+
+    - every step, once every bucket of the optimizer's gradients is settled plain with a zero
+      residual (each bucket's ``direct``, checked after each step's synchronize);
+    - a step of ``fallback="auto"``'s check whose mode is plain for every bucket, their
+      residuals zero (the second of a plain turn, the one the check times): so the check times
+      plain steps as they will run once settled, not through the compressor. The step is
+      counted in the check after it ran, with when its first gradient arrived.
+
+    Such steps are still counted in the stats (one plain step per bucket). A change of the
     residuals' generation (``reset``, ``load_state_dict``) hands the gradients back to the
     compressor, which decides again."""
 
@@ -261,6 +269,8 @@ class _OptimizerCompression:
         self.face, self.state, self.names = face, state, names
         self.buckets = None  # the buckets of those gradients, once every one has its bucket
         self.direct = None  # the residuals' generation from which every bucket is direct
+        self.checked = None  # the generation in which this step is a check's plain step
+        self.started = None  # when that step's first gradient arrived
 
     def __getattr__(self, name):  # the compressor's own attributes (stats, decisions, ...)
         if name == "face":
@@ -273,6 +283,10 @@ class _OptimizerCompression:
     def compress(self, tensor):
         if self.direct is not None and self.direct == self.state.residuals.generation:
             return tensor, None
+        if self.checked is not None and self.checked == self.state.residuals.generation:
+            if self.started is None:
+                self.started = time.perf_counter()
+            return tensor, None
         return self.face.compress(tensor)
 
     def decompress(self, tensor, ctx):
@@ -280,21 +294,31 @@ class _OptimizerCompression:
 
     def after_step(self):
         """Called after each synchronize of the optimizer: counts a step that went to Horovod
-        directly, or hands the next steps over once every bucket is direct."""
-        gen = self.state.residuals.generation
+        directly, and decides whether the next one does."""
+        c = self.state
+        gen = c.residuals.generation
         if self.direct == gen:
             for b in self.buckets:
                 b.log_direct()
             return
+        checked, self.checked = self.checked, None
+        if checked == gen:  # a check's plain step: counted now, as each bucket's launch
+            for b in self.buckets:
+                if not c.count_plain(b, self.started):
+                    raise RuntimeError("horovod-twobit: a checked step sent plain was scheduled "
+                                       "compressed for bucket %s" % b.key)
+                b.log_direct()
+        self.started = None
         buckets = self.buckets
         if buckets is None:  # planned buckets, and the tensors alone once they were sent
-            c = self.state
             found = [c.bucket_of(n) or c.single_of(n) for n in self.names]
             if any(b is None for b in found):
                 return
             buckets = self.buckets = list({id(b): b for b in found}.values())
         if all(b.direct is not None and b.direct[0] == gen for b in buckets):
             self.direct = gen
+        elif all(b.zero_residual == gen and c.next_plain(b) for b in buckets):
+            self.checked = gen
 
 
 def _hand_over(opt, holder):

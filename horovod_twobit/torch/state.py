@@ -166,6 +166,23 @@ class TwoBitState:
         key = (bucket.key, process_set.process_set_id, process_set.size())
         return self._settled.get(key) is True
 
+    def next_plain(self, bucket):
+        """Whether ``bucket``'s next launch is, by the schedule of ``fallback="auto"``'s check, a
+        plain one that decides nothing (not its first launch, nor the one after the schedule,
+        which decides): then it may be sent without the compressor and counted after it ran
+        (:meth:`count_plain`)."""
+        if self.fallback != "auto" or not self.check_fallback or bucket.seen is None:
+            return False
+        process_set = bucket.seen[0]
+        checker = self._checkers.get((process_set.process_set_id, process_set.size()))
+        return checker is not None and checker.next_plain(bucket.key)
+
+    def count_plain(self, bucket, started):
+        """Counts a launch of ``bucket`` that :meth:`next_plain` allowed, after it ran (its
+        first gradient arrived at ``started``); returns whether its mode was plain."""
+        process_set, device = bucket.seen
+        return self.plain(bucket, process_set, device, started)
+
     def link(self, process_set, device):
         """The measured :class:`horovod_twobit.state.fallback.Link` of this process set (rank
         0's figures, broadcast), measured on first use."""

@@ -91,6 +91,8 @@ def run(spec):
             saved["residuals"] = {n: torch.full_like(r, 0.01 * (rank + 1))
                                   for n, r in saved["residuals"].items()}
             c.load_state_dict(saved)
+        # whether this step goes to Horovod's own allreduce as a check's plain step
+        rec["handed/%d" % step] = np.bool_(opt._compression.checked == c.state.residuals.generation)
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().mul(3.0).backward()
         opt.synchronize()

@@ -64,6 +64,7 @@ class Bucket:
         # of each member's g, as without a compressor (:meth:`send_direct`): its mode is settled
         # plain and its residual zero. None until then.
         self.direct = None
+        self.seen = None  # (process set, device) of its last launch that asked the fallback
         self._plain_reader = lambda: (self.values, 0.0, 0)
         self._exchanges = {}  # number of ranks -> (exchange, its Chunks or None)
         self.owner_scratch = None  # the scatter exchange's "auto" owner buffer (ScatterFlight)
@@ -178,6 +179,7 @@ class Bucket:
         c = self.state
         if not c.fallback:
             return False
+        self.seen = (process_set, device)
         started, self._started = self._started or time.perf_counter(), None
         return c.plain(self, process_set, device, started)
 

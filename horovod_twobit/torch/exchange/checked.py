@@ -87,6 +87,16 @@ class Checker:
             mode = self.chosen
         return fallback.is_plain(mode, pick), (self, k)
 
+    def next_plain(self, key):
+        """Whether bucket ``key``'s next launch is a scheduled plain one (see
+        ``TwoBitState.next_plain``): within the schedule, not its first launch nor the one
+        after the schedule, and not a bucket that a later checker checks."""
+        with self._lock:
+            k = self.launches.get(key, 0)
+            if key not in self.first or self.steps is None or not 1 <= k <= len(self.steps):
+                return False
+            return fallback.is_plain(self.steps[k - 1], self.first[key][0])
+
     def settled(self, step):
         """Whether a bucket's launch ``step`` took the chosen mode, as all its later ones will."""
         return self.chosen is not None and step > len(self.steps)
