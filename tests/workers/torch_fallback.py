@@ -20,9 +20,9 @@ from configs import HANDBACK, SWITCH, checked_schedule, parse_args, run_each
 args = parse_args()
 hvd.init()
 
-# Every collective the exchanges submit, by Horovod's name (op and name): the shapes and dtypes it
-# was given. Horovod's response cache keys on the name and renegotiates whenever a cached name
-# comes with another shape, so one name must keep one shape.
+# Every collective the exchanges submit, by Horovod's name: the collectives, shapes and dtypes it
+# was given. Horovod's response cache keys on the name alone and renegotiates whenever a cached
+# name comes with another shape or collective, so one name must keep one of each.
 import horovod.torch.mpi_ops as mpi_ops  # noqa: E402
 from horovod_twobit.torch.exchange import horovod_ops  # noqa: E402
 
@@ -31,9 +31,8 @@ collectives = {}
 
 def recording(op, fn):
     def call(tensor, *a, **kw):
-        key = "%s.%s" % (op, kw.get("name"))
-        got = collectives.setdefault(key, [])
-        sig = [list(tensor.shape), str(tensor.dtype)]
+        got = collectives.setdefault(kw.get("name"), [])
+        sig = [op, list(tensor.shape), str(tensor.dtype)]
         if sig not in got:
             got.append(sig)
         return fn(tensor, *a, **kw)
@@ -118,7 +117,8 @@ def run(spec):
     rec["repr"] = np.array(repr(c))
     rec["checks"] = np.array(json.dumps(c.stats().get("fallback_checks")))
     rec["collectives"] = np.array(json.dumps({k: v for k, v in collectives.items()
-                                              if not k.startswith("allreduce.twobit.")}))
+                                              if not k.startswith("twobit.")}))
+    rec["names"] = np.array(names)
     collectives.clear()
     return rec
 

@@ -71,7 +71,7 @@ class Flight:
             torch._foreach_copy_(bucket.views(tensors), [t.detach() for t in tensors])
 
     def _submit(self, payload):
-        self.handle = mpi_ops.allgather_async(payload, name=self.bucket.names[0],
+        self.handle = mpi_ops.allgather_async(payload, name=self.bucket.wire_name,
                                               process_set=self.process_set)
 
     def poll(self):

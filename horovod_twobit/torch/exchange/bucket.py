@@ -42,11 +42,15 @@ class Bucket:
     def __init__(self, state, names, numels):
         self.state = state
         self.names = list(names)
-        # Horovod's names for the plain steps' collectives: each member alone, and the bucket's
-        # g + r as one flat buffer. Distinct, because Horovod's response cache keys on the name
-        # and renegotiates on every rank when a cached name comes with another shape.
-        self.plain_names = [n + ".plain" for n in self.names]
+        # Horovod's names for this bucket's collectives, one shape and one kind of collective
+        # each: Horovod's response cache keys on the name alone and renegotiates on every rank
+        # when a cached name comes with another shape or collective. A member sent alone in a
+        # plain step goes under its own name, as Horovod's optimizer sends it when the
+        # optimizer hands its gradients over (router._OptimizerCompression); the bucket's g + r
+        # as one flat buffer, and the compressed payloads, under names of their own.
+        self.plain_names = list(self.names)
         self.plain_sum_name = self.names[0] + ".plain_sum"
+        self.wire_name = self.names[0] + ".twobit"
         self.index = {n: i for i, n in enumerate(self.names)}
         c = state
         self.layout = Layout(numels, c.threshold == "auto", c.block, c.blocks)

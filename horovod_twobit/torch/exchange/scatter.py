@@ -49,13 +49,15 @@ class ScatterFlight(Flight):
             self.payload = payload
             plan = torch.tensor(b.layout.plan(c.threshold), dtype=torch.int32,
                                 device=payload.device)
-            self.plan = mpi_ops.allgather_async(plan, name=b.names[0], process_set=self.process_set)
+            # under the allgather exchange's name: a rank that allgathers its payload there
+            # (another exchange) meets this plan in one collective, and both raise
+            self.plan = mpi_ops.allgather_async(plan, name=b.wire_name, process_set=self.process_set)
         progress.add(self)
 
     def _first(self, payload):
         send, splits = scatter_codec.chunk_payloads(self.chunks, payload,
                                                     self.bucket.state.threshold)
-        self.first = mpi_ops.alltoall_async(send, splits=splits, name=self.bucket.names[0],
+        self.first = mpi_ops.alltoall_async(send, splits=splits, name=self.bucket.wire_name,
                                             process_set=self.process_set)
 
     def _agree(self):
@@ -98,7 +100,7 @@ class ScatterFlight(Flight):
         except Exception as e:  # raised on the first wait, on every rank alike
             self.error = e
             return True
-        self.second = mpi_ops.allgather_async(payload, name=b.names[0] + ".reduced",
+        self.second = mpi_ops.allgather_async(payload, name=b.wire_name + ".reduced",
                                               process_set=self.process_set)
         return True
 
