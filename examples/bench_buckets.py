@@ -350,9 +350,9 @@ def main(argv=None):
     bindir = os.path.dirname(sys.executable)
     # Horovod's response cache holds 1,024 names by default: a job of one model uses far fewer,
     # but every method and instance here has its own names (five methods of 3 instances on the
-    # transformer: about 1,400), and a cache cycled through more names than it holds evicts each
-    # before its next use, so every collective is negotiated anew, which costs a method in
-    # proportion to its names (no compression: one per tensor) rather than its bytes
+    # transformer: about 930, one per tensor and plain method), and a cache cycled through more
+    # names than it holds evicts each before its next use, so every collective is negotiated
+    # anew, which costs a method in proportion to its names rather than its bytes
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                HOROVOD_CACHE_CAPACITY=os.environ.get("HOROVOD_CACHE_CAPACITY", "16384"),
                TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS=str(args.threads),
