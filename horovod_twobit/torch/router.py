@@ -86,7 +86,7 @@ def _alone(tensor, pending, name, call, in_place):
     check_call(call[0], name)
     pending.routed = True
     bucket = pending.state.single(name, tensor)
-    if in_place and bucket.direct == (pending.state.residuals.generation, call):
+    if in_place and bucket.takes_direct(call):
         return bucket.send_direct(tensor, name, call)  # settled plain: Horovod's own handle
     return Handle(bucket.launch([tensor], *call, in_place=in_place), 0)
 
@@ -104,7 +104,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     if bucket is not None and tensor.numel() == bucket.layout.numels[bucket.index[name]]:
         check_call(call[0], name)
         pending.routed = True
-        if bucket.direct == (pending.state.residuals.generation, call):
+        if bucket.takes_direct(call):
             return bucket.send_direct(tensor, name, call)  # settled plain: Horovod's own handle
         return bucket.arrive(tensor, name, call)
     return _alone(tensor, pending, name, call, in_place=True)

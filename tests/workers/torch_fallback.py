@@ -3,9 +3,10 @@ with buckets (bucket_bytes=2048: a bucket of three tensors and a tensor alone), 
 rank's 0.bias gradient at step 2. Per configuration (--configs THRESHOLD:EXCHANGE:MODE):
 MODE "always" sends every bucket uncompressed; "switch" sets the decisions by hand, step by step
 (compressed, compressed, plain, plain, compressed, plain): both paths and the switches between
-them; "auto" measures the link and decides; "handback" is "always" with residuals that are not zero
-loaded at step HANDBACK, after the buckets went to Horovod's own allreduce. Saves local and aggregated gradients, residuals after
-each step, the decisions, the stats' exchanges and the final weights to OUT/<index>/rank<r>.npz."""
+them; "auto" measures the link and decides; "handback" is "always" with residuals that are not
+zero loaded at step HANDBACK, after the buckets went to Horovod's own allreduce. Saves local and
+aggregated gradients, residuals after each step, the decisions, the stats' exchanges and the final
+weights to OUT/<index>/rank<r>.npz."""
 
 import json
 import logging

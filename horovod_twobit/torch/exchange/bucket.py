@@ -48,7 +48,6 @@ class Bucket:
         # plain step goes under its own name, as Horovod's optimizer sends it when the
         # optimizer hands its gradients over (router._OptimizerCompression); the bucket's g + r
         # as one flat buffer, and the compressed payloads, under names of their own.
-        self.plain_names = list(self.names)
         self.plain_sum_name = self.names[0] + ".plain_sum"
         self.wire_name = self.names[0] + ".twobit"
         self.index = {n: i for i, n in enumerate(self.names)}
@@ -69,7 +68,6 @@ class Bucket:
         # plain and its residual zero. None until then.
         self.direct = None
         self.seen = None  # (process set, device) of its last launch that asked the fallback
-        self._plain_reader = lambda: (self.values, 0.0, 0)
         self._exchanges = {}  # number of ranks -> (exchange, its Chunks or None)
         self.owner_scratch = None  # the scatter exchange's "auto" owner buffer (ScatterFlight)
         # for the stats: its key, real values, bytes per (ranks, rank, exchange), residual norms
@@ -151,12 +149,21 @@ class Bucket:
                     rnd.flight = rnd.stream
                     if rnd.settled and all(t.dtype == torch.float32 and t.is_contiguous()
                                            for t in rnd.arrived.values()):
-                        # from the next step on, Horovod's own allreduce (send_direct)
-                        self.direct = (self.state.residuals.generation, call)
+                        self._go_direct(call)
                 else:
                     rnd.flight = self.launch([rnd.arrived[n] for n in self.names], *call,
                                              in_place=True, decided=rnd.decided)
             return Handle(rnd, self.index[name])
+
+    def _go_direct(self, call):
+        """From the next step on (with ``call`` and the residuals of now), Horovod's own
+        allreduce: see :meth:`send_direct`."""
+        self.direct = (self.state.residuals.generation, call)
+
+    def takes_direct(self, call):
+        """Whether a member submitted with ``call`` goes through :meth:`send_direct`."""
+        d = self.direct
+        return d is not None and d[0] == self.state.residuals.generation and d[1] == call
 
     def send_direct(self, tensor, name, call):
         """Sends member ``name``'s float32 gradient through Horovod's own in-place allreduce and
@@ -164,19 +171,24 @@ class Bucket:
         its residual zero (:attr:`direct`), so there is nothing to add, to check or to commit.
         A step whose sum is not finite gives what Horovod gives (NaN or Inf), and the residual
         stays zero. The first member of the bucket records the step in the stats."""
-        i = self.index[name]
-        if i == 0:
+        if self.index[name] == 0:
             self.log_direct()
         op, prescale, postscale, process_set = call
-        return horovod("allreduce_async_")(tensor, name=self.plain_names[i], op=op,
+        return horovod("allreduce_async_")(tensor, name=name, op=op,
                                            prescale_factor=prescale, postscale_factor=postscale,
                                            process_set=process_set)
 
     def log_direct(self):
         """Records one step of this bucket sent as Horovod's own allreduce of g (:attr:`direct`)."""
         self.steps += 1
-        self.state.stats_log.sent(self.key, self.names, "plain", 4 * self.values,
-                                  self._plain_reader, self.values, self.norms)
+        self.log_plain_g()
+
+    def log_plain_g(self):
+        """Records in the stats a plain step of this bucket that sends g alone (its members'
+        own values: nothing sent as +-level)."""
+        values = self.values
+        self.state.stats_log.sent(self.key, self.names, "plain", 4 * values,
+                                  lambda: (values, 0.0, 0), values, self.norms)
 
     def decide(self, process_set, device):
         """Whether this step goes plain, decided once per step: see the state's ``plain``."""
@@ -210,9 +222,8 @@ class Bucket:
             self.zero_residual = None
         elif (self.layout.single and in_place and self._flight.sum is self._flight.g
               and self.state.settled_plain(self, process_set)):
-            # a tensor alone, sent in place with a zero residual: from the next step on,
-            # Horovod's own allreduce (send_direct)
-            self.direct = (self.state.residuals.generation, (op, prescale, postscale, process_set))
+            # a tensor alone, sent in place with a zero residual
+            self._go_direct((op, prescale, postscale, process_set))
         return self._flight
 
     def exchange(self, nranks):

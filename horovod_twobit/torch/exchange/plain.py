@@ -84,11 +84,8 @@ class StreamFlight(PlainFlight):
         self.call = (op, prescale, postscale, process_set)
         n = len(bucket.names)
         self.tensors, self.sums, self.handles = [None] * n, [None] * n, [None] * n
-        self._names, self._allreduce = bucket.plain_names, horovod("allreduce_async_")
-        c = bucket.state
-        values = bucket.values
-        c.stats_log.sent(bucket.key, bucket.names, self.EXCHANGE, 4 * values,
-                         lambda: (values, 0.0, 0), values, bucket.norms)
+        self._names, self._allreduce = bucket.names, horovod("allreduce_async_")
+        bucket.log_plain_g()
 
     def add(self, index, tensor):
         """Sends member ``index``'s gradient now: a float32 one in place, as Horovod's own
