@@ -465,3 +465,24 @@ def test_torch_checker_follows_each_buckets_launches(monkeypatch):
         assert got == {"a": True, "b": True, "c": fallback.is_plain(mode, False)}, s
     assert step("abc", lambda n: fallback.PLAIN) == {"a": True, "b": True, "c": True}
     assert [s["kept"] for s in checker.summaries()] == ["plain", "plain"]
+
+
+def test_one_rank_goes_plain_without_a_link():
+    """On one rank nothing crosses a link: the model is not asked (its link would have no rate)
+    and every bucket goes plain, in both frameworks, the results the gradients themselves."""
+    from horovod_twobit.state.fallback import candidates, decide, times
+    from horovod_twobit.wire.layout import Layout
+
+    def no_link():
+        raise AssertionError("measured a link on one rank")
+    picks = {}
+    assert decide(picks, ["a"], Layout([1 << 20]), 1, "allgather", "auto", no_link)
+    assert picks == {("a", 1): "plain"}
+    assert times(Layout([10]), 1, "allgather", None) == (float("inf"), 0.0)
+    assert candidates([True], float("inf"), 0.0) == [fallback.MODEL]  # nothing to check
+    for fw in ("torch", "tf"):
+        res = jobs.run(1, "one_rank_fallback.py", fw, timeout=300)
+        line = [x for x in res.output.splitlines() if "RESULT " in x][-1]
+        got = json.loads(line.split("RESULT ", 1)[1])
+        assert got["size"] == 1 and got["same"] and all(got["same"]), (fw, got)
+        assert got["decisions"] == ["plain"], (fw, got)
