@@ -243,7 +243,9 @@ def run_tf(args):
             kept(comps, row, starts)
             if args.profile:
                 for method, fn in steps_of.items():
-                    out[(row, method)] += (tf_profile.profile(fn, args.profile),)
+                    base, _, k = method.partition("@")  # with --instances: the first of each
+                    if k in ("", "1"):
+                        out[(row, base)] += (tf_profile.profile(fn, args.profile),)
     return out, reads, starts, hvd.rank()
 
 
@@ -320,8 +322,9 @@ def main(argv=None):
                          "function), or both, comma-separated")
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="TensorFlow: after timing, trace this many steps of each method with "
-                         "TensorFlow's profiler and print the ops' time per step by kind (ms)")
+                    help="TensorFlow: after timing, trace this many steps of each method (with "
+                         "--instances, of its first instance) with TensorFlow's profiler and "
+                         "print the ops' time per step by kind (ms)")
     ap.add_argument("--read-stats", action="store_true",
                     help="also time every compressed method with compressor.stats() read after "
                          "each step (Keras fit: TwoBitStatsCallback(every=1)) and print the "

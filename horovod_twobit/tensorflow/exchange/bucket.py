@@ -42,8 +42,11 @@ def layout_of(state, keys, tensors):
     return lay
 
 
-def _flat(layout, parts):
-    """One flat float32 buffer: each 1-D part at its start, zeros between."""
+def flat(layout, parts):
+    """One flat float32 buffer: each 1-D part at its start, zeros between. A layout of one
+    member has no padding (its flat buffer is the tensor's values)."""
+    if layout.single:
+        return parts[0]
     pieces = []
     for p, n, w in zip(parts, layout.numels, layout.member_words):
         pieces.append(p)
@@ -73,7 +76,7 @@ class BucketExchange:
     ``threshold`` and ``magnitude`` (the per-value levels the scatter exchange's finish takes) are
     made only when asked for."""
 
-    def __init__(self, state, tensors, keys, op, prescale, postscale, nranks):
+    def __init__(self, state, tensors, keys, op, prescale, postscale, nranks, grad=None):
         self.layout = lay = layout_of(state, keys, tensors)
         self.plan = plan_of(state, lay)
         self.tensors, self.keys = list(tensors), list(keys)
@@ -86,8 +89,9 @@ class BucketExchange:
                                 self.scale)
         with tf.name_scope("twobit_encode"):
             self.befores = [r.read_value() for r in self.residuals]
-            self.grad = _flat(lay, [codec._flat32(t) for t in self.tensors])
-            self.before = _flat(lay, [tf.reshape(r, [-1]) for r in self.befores])
+            self.grad = flat(lay, [codec._flat32(t) for t in self.tensors]) if grad is None \
+                else grad
+            self.before = flat(lay, [tf.reshape(r, [-1]) for r in self.befores])
             self.fixed = None if lay.auto else tf.constant(state.threshold, tf.float32)
             lengths = levels = None
             if lay.auto and native_ops.usable(state.auto_rule):
@@ -111,9 +115,10 @@ class BucketExchange:
             return spread(self.vs, self.layout.seg_words)
         return self.fixed
 
-    def finish(self, gathered):
+    def finish(self, gathered, as_flat=False):
         """Checks, decodes and sums the gathered payloads; commits the residuals; returns the
-        results (each tensor's shape and dtype)."""
+        results (each tensor's shape and dtype), or with ``as_flat`` the flat float32 buffer of
+        them (:func:`members` makes them from it)."""
         lay, nranks = self.layout, self.nranks
         with tf.name_scope("twobit_finish"):
             fitted, checked = _validated(gathered, lay, self.head, nranks, self.keys)
@@ -125,19 +130,25 @@ class BucketExchange:
             out, new, self.bad, self.norms = self.passes.finish(
                 rows, checked, count, self.grad, self.before, self.fixed, self.ts, self.vs,
                 self.stats_slots.norms_wanted())
-            return commit(lay, self.residuals, new, self.tensors, out)
+            return commit(lay, self.residuals, new, self.tensors, out, as_flat)
 
 
-def commit(lay, residuals, new, tensors, out):
-    """Assigns each member's slice of the flat ``new`` to its residual variable; returns each
-    member's slice of the flat result ``out`` (its tensor's shape and dtype), after the updates."""
-    updates = [r.assign(tf.reshape(n, r.shape)) for r, n in zip(residuals, split(lay, new))]
+def members(lay, out, tensors):
+    """Each member's slice of the flat result ``out``, in its tensor's shape and dtype."""
     results = []
     for t, res in zip(tensors, split(lay, out)):
         res = tf.reshape(res, t.shape)
         results.append(res if res.dtype == t.dtype else tf.cast(res, t.dtype))
+    return results
+
+
+def commit(lay, residuals, new, tensors, out, as_flat=False):
+    """Assigns each member's slice of the flat ``new`` to its residual variable; returns each
+    member's slice of the flat result ``out`` (its tensor's shape and dtype), or with
+    ``as_flat`` ``out`` itself, after the updates."""
+    updates = [r.assign(tf.reshape(n, r.shape)) for r, n in zip(residuals, split(lay, new))]
     with tf.control_dependencies(updates):
-        return tf.identity_n(results)
+        return tf.identity(out) if as_flat else tf.identity_n(members(lay, out, tensors))
 
 
 def _validated(gathered, lay, head, nranks, keys):

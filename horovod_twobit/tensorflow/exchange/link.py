@@ -169,8 +169,15 @@ class Check:
                            lambda: self.starts.scatter_nd_update(index, [self.t0]).value()[0],
                            lambda: self.t0),
                    self.count.assign_add(1)]
-        with tf.control_dependencies(updates):
-            return [None if r is None else tf.identity(r) for r in results]
+        present = [i for i, r in enumerate(results) if r is not None]
+        if not present:
+            return list(results)
+        with tf.control_dependencies(updates):  # one op for all of them, not one each
+            after = tf.identity_n([results[i] for i in present])
+        out = list(results)
+        for i, r in zip(present, after):
+            out[i] = r
+        return out
 
     def last_modes(self):
         """{bucket key: "plain" / "compressed"} of the last step run (eager), or None before one."""

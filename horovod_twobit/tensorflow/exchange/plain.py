@@ -18,6 +18,7 @@ import tensorflow as tf
 import horovod.tensorflow.mpi_ops as mpi_ops
 
 from horovod_twobit.tensorflow import codec
+from horovod_twobit.tensorflow.exchange import bucket
 from horovod_twobit.wire import scatter as scatter_wire
 
 
@@ -31,19 +32,25 @@ def zero_flag(state, keys):
 
 
 def run(state, tensors, keys, op, prescale, postscale, process_set, op_name,
-        ignore_name_scope):
-    """Exchanges dense floating-point ``tensors`` (residual keys ``keys``); returns the results."""
-    sizes = [t.shape.num_elements() for t in tensors]
+        ignore_name_scope, layout, flat=None, known_zero=None):
+    """Exchanges dense floating-point ``tensors`` (residual keys ``keys``, bucket ``layout``);
+    returns (the results as one flat float32 buffer in ``layout``'s order and padding, a 0-d
+    bool: whether some member came out NaN). ``flat``: the gradients already in that buffer
+    (:func:`..bucket.flat`); ``known_zero``: whether the bucket's flag was read set (True or
+    False), as the checked exchange hands its branches, or None to read it here."""
     zero = zero_flag(state, keys)
     residuals = [state.residuals.get(k, t) for k, t in zip(keys, tensors)]
-    flat = tf.concat([codec._flat32(t) for t in tensors], 0) if len(tensors) > 1 \
-        else codec._flat32(tensors[0])
+    if flat is None:
+        flat = bucket.flat(layout, [codec._flat32(t) for t in tensors])
 
     def before():
-        return tf.concat([tf.reshape(r.read_value(), [-1]) for r in residuals], 0)
+        return bucket.flat(layout, [tf.reshape(r.read_value(), [-1]) for r in residuals])
 
-    known_zero = zero.read_value()
-    sent = tf.cond(known_zero, lambda: flat, lambda: flat + before())
+    if known_zero is None:
+        known_zero = zero.read_value()
+        sent = tf.cond(known_zero, lambda: flat, lambda: flat + before())
+    else:  # a branch of its own: no cond holding the residuals, an op each step for each
+        sent = flat if known_zero else flat + before()
     summed = mpi_ops._allreduce(sent, name=op_name + "_plain", op=mpi_ops.Sum,
                                 prescale_factor=prescale, postscale_factor=postscale,
                                 process_set=process_set, ignore_name_scope=ignore_name_scope)
@@ -52,29 +59,38 @@ def run(state, tensors, keys, op, prescale, postscale, process_set, op_name,
         # multiplication by its reciprocal, another float32 result
         summed = summed / tf.cast(mpi_ops.size_op(process_set_id=process_set.process_set_id),
                                   tf.float32)
-    finite = tf.reduce_all(tf.math.is_finite(summed))
+    finite = tf.reduce_all(tf.math.is_finite(summed))  # padding is zeros: finite
 
     def as_is():
-        return [tf.identity(summed)]
+        return [tf.identity(summed), tf.constant(False)]
 
     def per_member():
         """Not finite, or the residuals not known to be zero: each member's NaN and residual."""
-        parts = tf.split(summed, sizes) if len(sizes) > 1 else [summed]
-        old = tf.split(before(), sizes) if len(sizes) > 1 else [before()]
         out, updates, oks = [], [], []
-        for r, part, b in zip(residuals, parts, old):
+        for r, part, b in zip(residuals, bucket.split(layout, summed),
+                              bucket.split(layout, before())):
             ok = tf.reduce_all(tf.math.is_finite(part))
             oks.append(ok)
             out.append(tf.where(ok, part, tf.fill(tf.shape(part), float("nan"))))
             updates.append(r.assign(tf.reshape(tf.where(ok, tf.zeros_like(b), b), r.shape)))
-        updates.append(zero.assign(tf.reduce_all(tf.stack(oks))))
+        all_ok = tf.reduce_all(tf.stack(oks))
+        updates.append(zero.assign(all_ok))
         with tf.control_dependencies(updates):
-            return [tf.concat(out, 0) if len(out) > 1 else tf.identity(out[0])]
+            return [bucket.flat(layout, out), tf.logical_not(all_ok)]
 
-    done = tf.cond(tf.logical_and(known_zero, finite), as_is, per_member)[0]
-    parts = tf.split(done, sizes) if len(sizes) > 1 else [done]
-    out = []
-    for t, part in zip(tensors, parts):
-        res = tf.reshape(part, t.shape)
-        out.append(tf.cast(res, t.dtype) if res.dtype != t.dtype else res)
-    return out
+    def nan_members():
+        """Known zero, and not finite: each member's NaN; the residuals stay zero."""
+        out, oks = [], []
+        for part in bucket.split(layout, summed):
+            ok = tf.reduce_all(tf.math.is_finite(part))
+            oks.append(ok)
+            out.append(tf.where(ok, part, tf.fill(tf.shape(part), float("nan"))))
+        all_ok = tf.reduce_all(tf.stack(oks))
+        with tf.control_dependencies([zero.assign(all_ok)]):
+            return [bucket.flat(layout, out), tf.logical_not(all_ok)]
+
+    if known_zero is True:
+        return tuple(tf.cond(finite, as_is, nan_members))
+    if known_zero is False:
+        return tuple(per_member())
+    return tuple(tf.cond(tf.logical_and(known_zero, finite), as_is, per_member))

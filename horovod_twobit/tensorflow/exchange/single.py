@@ -19,6 +19,7 @@ error is raised as such; inside a graph it surfaces as a ``tf.errors.UnknownErro
 contains ``PayloadMismatchError: <the same message>``.
 """
 
+import contextlib
 import functools
 
 import numpy as np
@@ -30,6 +31,7 @@ from horovod_twobit.wire import scatter as scatter_wire, checks as wire_checks
 from horovod_twobit import wire
 from horovod_twobit.tensorflow.codec import kernels, native_ops
 from horovod_twobit.tensorflow import codec
+from horovod_twobit.tensorflow.exchange import bucket as bucket_exchange
 from horovod_twobit.tensorflow.exchange.bucket import BucketExchange, layout_of
 
 
@@ -210,44 +212,78 @@ def run(state, tensors, keys, op, prescale, postscale, process_set, op_name,
         return _compressed(state, tensors, keys, op, prescale, postscale, process_set, op_name,
                            ignore_name_scope, layout)
     # checked on the first steps: this step's mode, the same on every rank
-    return _unlowered_cond(plain,
-                           lambda: _plain(state, tensors, keys, op, prescale, postscale,
-                                          process_set, op_name, ignore_name_scope, layout),
-                           lambda: _compressed(state, tensors, keys, op, prescale, postscale,
-                                               process_set, op_name, ignore_name_scope, layout))
+    if len(tensors) == 1 or scatter_wire.choose(state.exchange, layout, nranks) != "allgather":
+        return _unlowered_cond(plain,
+                               lambda: _plain(state, tensors, keys, op, prescale, postscale,
+                                              process_set, op_name, ignore_name_scope, layout),
+                               lambda: _compressed(state, tensors, keys, op, prescale, postscale,
+                                                   process_set, op_name, ignore_name_scope,
+                                                   layout))
+    # a bucket: one Case of three branches, compressed, plain with the residuals known to be
+    # zero, plain with them added; the gradients go in as one flat buffer and the results come
+    # out as one. Every tensor into or out of a branch is an op of its own each step (an
+    # argument or a return value of the branch run; a Switch or a Merge when lowered), and
+    # the ops, not their work, are what a step of many small tensors pays for (about 5 us each
+    # on a 2-core host): no cond inside the plain branches holds the members' residuals
+    from horovod_twobit.tensorflow.exchange.plain import zero_flag
+    grads = bucket_exchange.flat(layout, [codec._flat32(t) for t in tensors])
+    known_zero = zero_flag(state, keys).read_value()
+    index = tf.where(plain, tf.where(known_zero, 1, 2), 0)
+
+    def plain_branch(known):
+        return lambda: _plain(state, tensors, keys, op, prescale, postscale, process_set,
+                              op_name, ignore_name_scope, layout, grads, known)
+    with _unlowered():
+        out = tf.switch_case(index, [
+            lambda: _compressed(state, tensors, keys, op, prescale, postscale, process_set,
+                                op_name, ignore_name_scope, layout, grads),
+            plain_branch(True), plain_branch(False)])
+    return bucket_exchange.members(layout, out[0], tensors)
 
 
-def _unlowered_cond(pred, true_fn, false_fn):
-    """``tf.cond`` kept as one ``If`` op that runs only the branch taken (its conds inside
-    likewise). Lowered to Switch and Merge, as TensorFlow does by default in a function, every
-    op of the branch not taken would still pass a dead tensor on, every step: for the fallback's
-    two exchanges of a 52-tensor bucket, 5-13 % of a 10 ms step."""
+@contextlib.contextmanager
+def _unlowered():
+    """Conds and cases built here stay one op that runs only the branch taken (their conds
+    inside likewise). Lowered to Switch and Merge, as TensorFlow does by default in a
+    function, every op of a branch not taken would still pass a dead tensor on, every step:
+    for the fallback's two exchanges of a 52-tensor bucket, 5-13 % of a 10 ms step."""
     from tensorflow.python.ops import control_flow_util_v2 as cf_util
     prev = cf_util._DISABLE_LOWER_USING_SWITCH_MERGE
     cf_util._DISABLE_LOWER_USING_SWITCH_MERGE = True
     try:
-        return tf.cond(pred, true_fn, false_fn)
+        yield
     finally:
         cf_util._DISABLE_LOWER_USING_SWITCH_MERGE = prev
 
 
+def _unlowered_cond(pred, true_fn, false_fn):
+    """``tf.cond`` kept as one ``If`` op (:func:`_unlowered`)."""
+    with _unlowered():
+        return tf.cond(pred, true_fn, false_fn)
+
+
 def _plain(state, tensors, keys, op, prescale, postscale, process_set, op_name,
-           ignore_name_scope, layout):
-    """The fallback: uncompressed, g + r."""
+           ignore_name_scope, layout, grads=None, known_zero=None):
+    """The fallback: uncompressed, g + r. ``grads``: the gradients as one flat buffer, given
+    by the checked exchange, which then takes the results as one flat buffer too, and tells
+    ``known_zero`` (:func:`..plain.run`)."""
     from horovod_twobit.tensorflow.exchange import plain as plain_exchange
-    out = plain_exchange.run(state, tensors, keys, op, prescale, postscale, process_set,
-                             op_name, ignore_name_scope)
+    out, bad = plain_exchange.run(state, tensors, keys, op, prescale, postscale, process_set,
+                                  op_name, ignore_name_scope, layout, grads, known_zero)
+    out = [out] if grads is not None else bucket_exchange.members(layout, out, tensors)
     return state.stats_slots.record(layout, keys, "plain", process_set.size(), process_set.rank(),
-                                    None, out)
+                                    None, out, bad=bad)
 
 
 def _compressed(state, tensors, keys, op, prescale, postscale, process_set, op_name,
-                ignore_name_scope, layout):
+                ignore_name_scope, layout, grads=None):
+    """The 2-bit exchange. ``grads``: a bucket's gradients as one flat buffer, given by the
+    checked exchange (allgather only), which then takes the results as one flat buffer too."""
     nranks = process_set.size()
     if len(tensors) == 1:
         ex = Exchange(state, tensors[0], keys[0], op, prescale, postscale, nranks)
     else:
-        ex = BucketExchange(state, tensors, keys, op, prescale, postscale, nranks)
+        ex = BucketExchange(state, tensors, keys, op, prescale, postscale, nranks, grads)
     exchange = scatter_wire.choose(state.exchange, layout, nranks)
     if exchange == "scatter":
         from horovod_twobit.tensorflow.exchange import scatter as scatter_exchange
@@ -257,8 +293,9 @@ def _compressed(state, tensors, keys, op, prescale, postscale, process_set, op_n
     else:
         gathered = mpi_ops.allgather(ex.payload, name=op_name, process_set=process_set,
                                      ignore_name_scope=ignore_name_scope)
-        out = ex.finish(gathered)
-        out, norms, bad = out if len(tensors) > 1 else [out], ex.norms, ex.bad
+        out = ex.finish(gathered, as_flat=True) if grads is not None else ex.finish(gathered)
+        out = [out] if grads is not None or len(tensors) == 1 else out
+        norms, bad = ex.norms, ex.bad
     if state.fallback:  # the residuals move again: the plain exchange must add them
         from horovod_twobit.tensorflow.exchange.plain import zero_flag
         with tf.control_dependencies([zero_flag(state, keys).assign(False)]):
