@@ -486,3 +486,17 @@ def test_one_rank_goes_plain_without_a_link():
         got = json.loads(line.split("RESULT ", 1)[1])
         assert got["size"] == 1 and got["same"] and all(got["same"]), (fw, got)
         assert got["decisions"] == ["plain"], (fw, got)
+
+
+def test_tf_plain_exchange_paths_on_one_rank():
+    """TensorFlow's plain exchange, every path (residuals read in the graph, or told known
+    zero or not as the checked exchange's branches are), with members finite, NaN or Inf, in a
+    bucket with padding between its members and alone: g + r sent, a member not finite NaN
+    with its residual kept, the others' residuals zero, the zero flag and the stats' NaN flag
+    set as the members came out."""
+    res = jobs.run(1, "tf_plain_nan.py", timeout=300)
+    line = [x for x in res.output.splitlines() if "RESULT " in x][-1]
+    got = json.loads(line.split("RESULT ", 1)[1])
+    assert len(got) == 24
+    bad = {k: v for k, v in got.items() if not all(v)}
+    assert not bad, bad

@@ -9,10 +9,13 @@ NaN or Inf) gets NaN and keeps its residual, as in the compressed exchanges.
 What a step costs beyond Horovod's own allreduce is a fixed number of ops, whatever the number of
 members: while the bucket's residuals are known to be zero (its last step went plain and every
 member was finite: a flag variable per bucket), the step sends g alone, reads no residual and
-assigns none; only a step after a compressed one, or one with NaN or Inf, does the per-member
-work. (Sending g alone gives the same values; a -0.0 in g stays -0.0, as in Horovod's allreduce,
+assigns none; only a step after a compressed one reads and assigns each member's residual. Which
+members came out finite is found for the whole buffer at once (a running count of the
+non-finite values, read at the members' bounds), not with ops per member: a step pays an op
+each, and the trace of a checked exchange a few ms each. (Sending g alone gives the same values; a -0.0 in g stays -0.0, as in Horovod's allreduce,
 where g + 0.0 would give +0.0.)"""
 
+import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow.mpi_ops as mpi_ops
@@ -43,8 +46,14 @@ def run(state, tensors, keys, op, prescale, postscale, process_set, op_name,
     if flat is None:
         flat = bucket.flat(layout, [codec._flat32(t) for t in tensors])
 
+    read = []
+
     def before():
-        return bucket.flat(layout, [tf.reshape(r.read_value(), [-1]) for r in residuals])
+        """The residuals as one flat buffer: read once where one branch holds both uses."""
+        if read and known_zero is False:
+            return read[0]
+        read.append(bucket.flat(layout, [tf.reshape(r.read_value(), [-1]) for r in residuals]))
+        return read[-1]
 
     if known_zero is None:
         known_zero = zero.read_value()
@@ -64,30 +73,36 @@ def run(state, tensors, keys, op, prescale, postscale, process_set, op_name,
     def as_is():
         return [tf.identity(summed), tf.constant(False)]
 
+    def members_ok():
+        """(each value's member finite, in ``summed``'s order; every member finite): a few ops
+        for the whole bucket, whatever its number of members."""
+        if layout.single:
+            ok = tf.reduce_all(tf.math.is_finite(summed))
+            return tf.fill(tf.shape(summed), ok), ok
+        slots = [16 * w for w in layout.member_words]  # each member's place in the buffer
+        bounds = np.concatenate([[0], np.cumsum(slots)]).astype(np.int32)
+        # non-finite values before each value, then before each member's start and end
+        seen = tf.concat([[0], tf.cumsum(tf.cast(~tf.math.is_finite(summed), tf.int32))], 0)
+        ok = tf.equal(tf.gather(seen, bounds[1:]), tf.gather(seen, bounds[:-1]))
+        return tf.repeat(ok, slots), tf.reduce_all(ok)
+
     def per_member():
         """Not finite, or the residuals not known to be zero: each member's NaN and residual."""
-        out, updates, oks = [], [], []
-        for r, part, b in zip(residuals, bucket.split(layout, summed),
-                              bucket.split(layout, before())):
-            ok = tf.reduce_all(tf.math.is_finite(part))
-            oks.append(ok)
-            out.append(tf.where(ok, part, tf.fill(tf.shape(part), float("nan"))))
-            updates.append(r.assign(tf.reshape(tf.where(ok, tf.zeros_like(b), b), r.shape)))
-        all_ok = tf.reduce_all(tf.stack(oks))
+        ok, all_ok = members_ok()
+        out = tf.where(ok, summed, tf.constant(float("nan"), tf.float32))
+        kept = tf.where(ok, tf.zeros_like(summed), before())
+        updates = [r.assign(tf.reshape(n, r.shape))
+                   for r, n in zip(residuals, bucket.split(layout, kept))]
         updates.append(zero.assign(all_ok))
         with tf.control_dependencies(updates):
-            return [bucket.flat(layout, out), tf.logical_not(all_ok)]
+            return [tf.identity(out), tf.logical_not(all_ok)]
 
     def nan_members():
         """Known zero, and not finite: each member's NaN; the residuals stay zero."""
-        out, oks = [], []
-        for part in bucket.split(layout, summed):
-            ok = tf.reduce_all(tf.math.is_finite(part))
-            oks.append(ok)
-            out.append(tf.where(ok, part, tf.fill(tf.shape(part), float("nan"))))
-        all_ok = tf.reduce_all(tf.stack(oks))
+        ok, all_ok = members_ok()
+        out = tf.where(ok, summed, tf.constant(float("nan"), tf.float32))
         with tf.control_dependencies([zero.assign(all_ok)]):
-            return [bucket.flat(layout, out), tf.logical_not(all_ok)]
+            return [tf.identity(out), tf.logical_not(all_ok)]
 
     if known_zero is True:
         return tuple(tf.cond(finite, as_is, nan_members))
