@@ -389,6 +389,18 @@ def study_step(model):
     return (lambda opt, params, clip, synchronize: opt.step()), None
 
 
+def turns(methods, warmup, steps, in_a_row=1):
+    """The timed steps' order: [(first step of the turn, [(method index, step), ...])], each
+    method running ``in_a_row`` steps (the last turn fewer when they do not divide ``steps``)
+    before the next, the method that goes first rotating from turn to turn."""
+    in_a_row, end, out = max(1, int(in_a_row)), warmup + steps, []
+    for i0 in range(warmup, end, in_a_row):
+        k = (i0 // in_a_row) % methods
+        out.append((i0, [(m, i) for m in list(range(k, methods)) + list(range(k))
+                         for i in range(i0, min(i0 + in_a_row, end))]))
+    return out
+
+
 def worker(args):
     """Trains every method of ``args.method`` (comma-separated) in turns and writes
     ``<out>/rank<r>.json``: per method, the step times, CPU times, bytes and losses."""
@@ -437,14 +449,16 @@ def worker(args):
             progress(rank, "%s warm-up step %d/%d: %.2f s" % (run[0], i + 1, warmup,
                                                               time.perf_counter() - t0))
     barrier()
-    for i in range(args.warmup, args.warmup + args.steps):
-        k = i % len(runs)
-        for run in runs[k:] + runs[:k]:
+    for i0, order in turns(len(runs), args.warmup, args.steps, getattr(args, "run_steps", 1)):
+        for k, i in order:
+            run = runs[k]
             r = rec[run[0]]
             # A rank leaves a collective once it has received everything, while what it sent can
             # still wait in its link's queue: the barrier lets that drain, so that a step neither
-            # waits behind the previous method's bytes nor counts them.
-            barrier()
+            # waits behind the previous method's bytes nor counts them. With --run-steps K a
+            # method's K steps run in a row, as in training, after one barrier.
+            if i == i0:
+                barrier()
             rx0, tx0 = iface_bytes(args.iface)
             u0 = resource.getrusage(resource.RUSAGE_SELF)
             t0, c0 = time.perf_counter(), time.process_time()
@@ -457,6 +471,7 @@ def worker(args):
             rx1, tx1 = iface_bytes(args.iface)
             r["tx"] += tx1 - tx0
             r["rx"] += rx1 - rx0
+        i = order[-1][1]
         progress(rank, "step %d/%d: %s" % (i - args.warmup + 1, args.steps, ", ".join(
             "%s %.2f s" % (m, rec[m]["times"][-1]) for m in methods)))
     barrier()

@@ -167,6 +167,8 @@ def run_job(c, args, model, methods, rate, log):
         common += ["--bucket-bytes", args.bucket_bytes]
     if args.spin_wait:
         common += ["--spin-wait"]
+    if args.run_steps != 1:
+        common += ["--run-steps", args.run_steps]
     # HOROVOD_GLOO_TIMEOUT_SECONDS: broadcasting the 21 M-value MLP from rank 0 to 7 hosts at
     # 100 Mbit/s takes longer than Gloo's default 30 s
     d = c.dilation  # a dilated cluster is D times slower: so are its timeouts
@@ -450,7 +452,10 @@ def driver(args):
           "counter around the timed steps (headers and control traffic included), mean over "
           "hosts." % (args.warmup, args.steps, args.batch, args.lr,
                       "one job per method" if args.job_per_method else
-                      "the Horovod methods of a model in one job, taking turns step by step"), "",
+                      "the Horovod methods of a model in one job, taking turns step by step"
+                      if args.run_steps == 1 else
+                      "the Horovod methods of a model in one job, taking turns of %d steps in a "
+                      "row" % args.run_steps), "",
           table(results, args), ""]
     if "ddp_quant" in methods:
         md += ["\\* torch's hook fails on gloo in torch 2.13 (it reads `fut.wait()[0]`, rank 0's "
@@ -521,6 +526,10 @@ def parser():
     ap.add_argument("--spin-wait", action="store_true",
                     help="keep Horovod's spinning wait for every method (default: every method "
                          "waits with short sleeps, as if each host had its own cores)")
+    ap.add_argument("--run-steps", type=int, default=1, metavar="K",
+                    help="timed steps a method runs in a row, after one barrier, before the next "
+                         "method's turn (default 1: the methods take turns step by step, each "
+                         "step after a barrier); K > 1 times steps as training runs them")
     ap.add_argument("--job-per-method", action="store_true",
                     help="one horovodrun job per Horovod method instead of one per model with the "
                          "methods taking turns step by step")
