@@ -468,9 +468,9 @@ def test_torch_checker_follows_each_buckets_launches(monkeypatch):
 
 
 def test_one_rank_goes_plain_without_a_link():
-    """On one rank nothing crosses a link: the model is not asked (its link would have no rate)
-    and every bucket goes plain, in both frameworks, the results the gradients themselves."""
-    from horovod_twobit.state.fallback import candidates, decide, times
+    """On one rank nothing crosses a link: no link is measured (it would have no rate), not for
+    the decision nor for the check's model, and every bucket goes plain, in both frameworks, the results the gradients themselves."""
+    from horovod_twobit.state.fallback import candidates, decide, modelled
     from horovod_twobit.wire.layout import Layout
 
     def no_link():
@@ -478,7 +478,7 @@ def test_one_rank_goes_plain_without_a_link():
     picks = {}
     assert decide(picks, ["a"], Layout([1 << 20]), 1, "allgather", "auto", no_link)
     assert picks == {("a", 1): "plain"}
-    assert times(Layout([10]), 1, "allgather", None) == (float("inf"), 0.0)
+    assert modelled(Layout([10]), 1, "allgather", no_link) == (float("inf"), 0.0)
     assert candidates([True], float("inf"), 0.0) == [fallback.MODEL]  # nothing to check
     for fw in ("torch", "tf"):
         res = jobs.run(1, "one_rank_fallback.py", fw, timeout=300)
@@ -486,6 +486,7 @@ def test_one_rank_goes_plain_without_a_link():
         got = json.loads(line.split("RESULT ", 1)[1])
         assert got["size"] == 1 and got["same"] and all(got["same"]), (fw, got)
         assert got["decisions"] == ["plain"], (fw, got)
+        assert got["links"] == 0, (fw, got)  # nothing measured, the check's model included
 
 
 def test_tf_plain_exchange_paths_on_one_rank():
@@ -493,7 +494,8 @@ def test_tf_plain_exchange_paths_on_one_rank():
     zero or not as the checked exchange's branches are), with members finite, NaN or Inf, in a
     bucket with padding between its members and alone: g + r sent, a member not finite NaN
     with its residual kept, the others' residuals zero, the zero flag and the stats' NaN flag
-    set as the members came out."""
+    set as the members came out; the step after sends what a member kept and leaves every
+    residual zero."""
     res = jobs.run(1, "tf_plain_nan.py", timeout=300)
     line = [x for x in res.output.splitlines() if "RESULT " in x][-1]
     got = json.loads(line.split("RESULT ", 1)[1])

@@ -129,9 +129,10 @@ def decide(decisions, names, layout, nranks, exchange, fallback, link):
     key = (owner_key(names), nranks)
     got = decisions.get(key)
     if got is None:
-        # one rank: nothing crosses a link, so nothing is measured and compression cannot pay
-        plain = (fallback == "always" or nranks <= 1
-                 or not compress_pays(layout, nranks, exchange, link()))
+        plain = fallback == "always"
+        if not plain:
+            comp, plain_s = modelled(layout, nranks, exchange, link)
+            plain = not comp < plain_s
         got = decisions[key] = "plain" if plain else "compressed"
         _log.info("horovod-twobit: bucket %s (%d values, %d ranks): %s", key[0],
                   sum(layout.numels), nranks, got)
@@ -141,13 +142,20 @@ def decide(decisions, names, layout, nranks, exchange, fallback, link):
 def times(layout, nranks, exchange, link):
     """(seconds of the compressed exchange, seconds of a plain ring allreduce) for one step of a
     bucket of ``layout`` with ``exchange`` ("allgather" or "scatter", as decided), by the
-    step-time model fed with the measured ``link``. On one rank the plain exchange is a copy and
-    the compressed one costs its codec for nothing: (inf, 0.0), the link not asked."""
-    if nranks <= 1:
-        return float("inf"), 0.0
+    step-time model fed with the measured ``link``."""
     wire, prof = link.wire(nranks), link.profile()
     return (steptime.bucket_s(layout, exchange, nranks, wire, prof),
             steptime.bucket_s(layout, "plain", nranks, wire, prof))
+
+
+def modelled(layout, nranks, exchange, link):
+    """:func:`times`, asking ``link()`` (the measured :class:`Link`, measured on first use) only
+    where there is one to cross: on one rank the plain exchange is a copy and the compressed one
+    costs its codec for nothing, (inf, 0.0), and nothing is measured. What the decision and the
+    bindings' checks ask."""
+    if nranks <= 1:
+        return float("inf"), 0.0
+    return times(layout, nranks, exchange, link())
 
 
 def compress_pays(layout, nranks, exchange, link):

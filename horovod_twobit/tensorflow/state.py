@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from horovod_twobit import wire
 from horovod_twobit.state import checkpoint, options
-from horovod_twobit.state.fallback import decide, times, validate_fallback
+from horovod_twobit.state.fallback import decide, modelled, validate_fallback
 from horovod_twobit.tensorflow.residuals import Residuals, rank_size
 from horovod_twobit.tensorflow.stats import Slots, residual_norms, state_variable
 from horovod_twobit.wire import layout, scatter as scatter_wire
@@ -77,7 +77,7 @@ class TwoBitState:
             return decide(self.picks, keys, layout, n, exchange, self.fallback, link)
         pick = decide(self.picks, keys, layout, n, exchange, self.fallback, link)
         return check.plain(scatter_wire.owner_key(keys), pick,
-                           lambda: times(layout, n, exchange, link()))
+                           lambda: modelled(layout, n, exchange, link))
 
     @property
     def decisions(self):

@@ -15,7 +15,7 @@ import torch
 
 from horovod_twobit import wire
 from horovod_twobit.state import checkpoint, options
-from horovod_twobit.state.fallback import decide, times, validate_fallback
+from horovod_twobit.state.fallback import decide, modelled, validate_fallback
 from horovod_twobit.state.stats import StatsLog
 from horovod_twobit.torch.codec import stats as stats_read
 from horovod_twobit.torch.residuals import Residuals
@@ -148,7 +148,7 @@ class TwoBitState:
             checker = self._checkers[key] = Checker(n, self.broadcaster(process_set, device))
         pick = decide(checker.picks, bucket.names, bucket.layout, n, exchange, self.fallback, link)
         plain, (who, step) = checker.plain(bucket.key, pick,
-                                           lambda: times(bucket.layout, n, exchange, link()),
+                                           lambda: modelled(bucket.layout, n, exchange, link),
                                            started)
         self.decisions[(bucket.key, n)] = "plain" if plain else "compressed"
         if who.settled(step):

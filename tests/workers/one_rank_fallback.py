@@ -33,7 +33,8 @@ def torch_case():
     t = torch.randn(1000)
     for _ in range(3):
         same.append(torch.equal(hvd.allreduce(t, compression=direct, name="t", op=hvd.Sum), t))
-    return {"size": hvd.size(), "same": same, "decisions": sorted(set(direct.decisions.values()))}
+    return {"size": hvd.size(), "same": same, "decisions": sorted(set(direct.decisions.values())),
+            "links": len(comp.state._links) + len(direct.state._links)}
 
 
 def tf_case():
@@ -61,7 +62,8 @@ def tf_case():
     for _ in range(4):
         local, reduced = step()
         same.append(all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(local, reduced)))
-    return {"size": hvd.size(), "same": same, "decisions": sorted(set(comp.decisions.values()))}
+    return {"size": hvd.size(), "same": same, "decisions": sorted(set(comp.decisions.values())),
+            "links": len(comp.state.links)}
 
 
 if __name__ == "__main__":
