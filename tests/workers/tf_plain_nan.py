@@ -3,7 +3,8 @@ residuals read or known to be zero (None: read in the graph; True / False: told,
 exchange's branches are), members that come out finite or not, a bucket with padding between
 its members and a tensor alone. Prints one JSON line: per case, whether results, residuals and
 the zero flag are what the exchange promises (g + r sent; a member not finite NaN with its
-residual kept, the others' residuals zero; the flag set when every member was finite)."""
+residual kept, the others' residuals zero; the flag set when every member was finite), and the
+step after it sends what a member kept and leaves every residual zero."""
 
 import json
 
@@ -34,13 +35,15 @@ def case(sizes, known, bad_member, bad_value, flag_before):
     plain.zero_flag(state, keys).assign(flag_before)
     lay = layout_of(state, keys, tensors)
 
-    @tf.function(autograph=False)
-    def run():
-        out, bad = plain.run(state, tensors, keys, mpi_ops.Average, 1.0, 1.0,
-                             hvd.global_process_set, "case", False, lay, None, known)
-        return bucket.members(lay, out, tensors), bad
+    def run(tensors, known):
+        @tf.function(autograph=False)
+        def step():
+            out, bad = plain.run(state, tensors, keys, mpi_ops.Average, 1.0, 1.0,
+                                 hvd.global_process_set, "case", False, lay, None, known)
+            return bucket.members(lay, out, tensors), bad
+        return step()
 
-    got, bad = run()
+    got, bad = run(tensors, known)
     ok = []
     for i, (g, r, o) in enumerate(zip(gs, rs, got)):
         finite = bool(np.isfinite(g + r).all())
@@ -51,6 +54,15 @@ def case(sizes, known, bad_member, bad_value, flag_before):
     all_finite = all(np.isfinite(g + r).all() for g, r in zip(gs, rs))
     ok.append(bool(plain.zero_flag(state, keys).numpy()) == all_finite)
     ok.append(bool(bad.numpy()) == (not all_finite))
+    # the step after: finite gradients, the flag read in the graph; what a member kept is sent
+    kept = [state.residuals.variable(k).numpy().copy() for k in keys]
+    g2 = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    got, bad = run([tf.constant(g) for g in g2], None)
+    for k, g, r, o in zip(keys, g2, kept, got):
+        want = g if all_finite else g + r  # the flag set: g alone (the residuals are zero)
+        ok.append(bool(np.array_equal(o.numpy(), want)))
+        ok.append(not state.residuals.variable(k).numpy().any())
+    ok.append(bool(plain.zero_flag(state, keys).numpy()) and not bool(bad.numpy()))
     return ok
 
 

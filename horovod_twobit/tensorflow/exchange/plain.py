@@ -46,20 +46,16 @@ def run(state, tensors, keys, op, prescale, postscale, process_set, op_name,
     if flat is None:
         flat = bucket.flat(layout, [codec._flat32(t) for t in tensors])
 
-    read = []
-
     def before():
-        """The residuals as one flat buffer: read once where one branch holds both uses."""
-        if read and known_zero is False:
-            return read[0]
-        read.append(bucket.flat(layout, [tf.reshape(r.read_value(), [-1]) for r in residuals]))
-        return read[-1]
+        return bucket.flat(layout, [tf.reshape(r.read_value(), [-1]) for r in residuals])
 
+    b = None  # the residuals, read once where this step sends them without a cond
     if known_zero is None:
         known_zero = zero.read_value()
         sent = tf.cond(known_zero, lambda: flat, lambda: flat + before())
     else:  # a branch of its own: no cond holding the residuals, an op each step for each
-        sent = flat if known_zero else flat + before()
+        b = None if known_zero else before()
+        sent = flat if known_zero else flat + b
     summed = mpi_ops._allreduce(sent, name=op_name + "_plain", op=mpi_ops.Sum,
                                 prescale_factor=prescale, postscale_factor=postscale,
                                 process_set=process_set, ignore_name_scope=ignore_name_scope)
@@ -90,7 +86,7 @@ def run(state, tensors, keys, op, prescale, postscale, process_set, op_name,
         """Not finite, or the residuals not known to be zero: each member's NaN and residual."""
         ok, all_ok = members_ok()
         out = tf.where(ok, summed, tf.constant(float("nan"), tf.float32))
-        kept = tf.where(ok, tf.zeros_like(summed), before())
+        kept = tf.where(ok, tf.zeros_like(summed), before() if b is None else b)
         updates = [r.assign(tf.reshape(n, r.shape))
                    for r, n in zip(residuals, bucket.split(layout, kept))]
         updates.append(zero.assign(all_ok))

@@ -293,8 +293,11 @@ def _compressed(state, tensors, keys, op, prescale, postscale, process_set, op_n
     else:
         gathered = mpi_ops.allgather(ex.payload, name=op_name, process_set=process_set,
                                      ignore_name_scope=ignore_name_scope)
-        out = ex.finish(gathered, as_flat=True) if grads is not None else ex.finish(gathered)
-        out = [out] if grads is not None or len(tensors) == 1 else out
+        if grads is not None:  # a bucket of the checked exchange: one flat buffer
+            out = [ex.finish(gathered, as_flat=True)]
+        else:
+            out = ex.finish(gathered)
+            out = out if len(tensors) > 1 else [out]
         norms, bad = ex.norms, ex.bad
     if state.fallback:  # the residuals move again: the plain exchange must add them
         from horovod_twobit.tensorflow.exchange.plain import zero_flag
