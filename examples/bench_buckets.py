@@ -85,22 +85,35 @@ def bucket_bytes(size):
     return int(size[:-1] if mult > 1 else size) * mult
 
 
-def interleaved(steps_of, args):
+def interleaved(steps_of, args, comps=None):
     """Runs the methods' step functions in turns (see the module docstring); returns each
     method's list of timed step durations, and of its untimed first steps: ``--warmup``, or
-    where a method has ``fallback="auto"`` as many as its checked decision may take (for every
-    method of the row, so that each has the same start)."""
+    where a method has ``fallback="auto"`` as many as its checked decision takes (at most
+    ``fallback.start_steps()``; until ``comps[method].stats()`` shows it decided, the same step
+    on every rank), and the others as many as the most of those, so that each has the same
+    start."""
+    checked = [m for m in steps_of if "_fallback" in m]
     first = args.warmup
-    if any("_fallback" in m for m in steps_of):
+    if checked:
         from horovod_twobit.state import fallback
         first = max(first, fallback.start_steps())
     starts = {}
-    for m, fn in steps_of.items():
+
+    def warm(m, most, until_decided):
         starts[m] = []
-        for _ in range(first):
+        while len(starts[m]) < most:
+            if (until_decided and len(starts[m]) >= args.warmup
+                    and comps[m].stats().get("fallback_checks")):
+                break
             t0 = time.perf_counter()
-            fn()
+            steps_of[m]()
             starts[m].append(time.perf_counter() - t0)
+    for m in checked:
+        warm(m, first, comps is not None and m in comps)  # (not a ``+stats`` twin)
+    first = max([args.warmup] + [len(starts[m]) for m in checked])
+    for m in steps_of:
+        if m not in checked:
+            warm(m, first, False)
     times = {m: [] for m in steps_of}
     order = list(steps_of)
     for rnd in range(args.rounds):
@@ -113,14 +126,15 @@ def interleaved(steps_of, args):
     return times, starts
 
 
-def timed(hvd, steps_of, counts, build, args, row, out, read_out, fit=False, start_out=None):
+def timed(hvd, steps_of, counts, build, args, row, out, read_out, fit=False, start_out=None,
+          comps=None):
     """Times the methods of one row in turns (with their ``+stats`` twins under
     ``--read-stats``, each made by ``build(method)`` -> (step, tensors, compressor)) into ``out``:
     {(row, method): (median step, tensors)}, ``read_out``: {(row, twin): median stats()
     read}, and ``start_out``: {(row, method): (first steps, their seconds beyond as many
     steady steps)}, the slower rank's."""
     reads = stats_cost.add_reads(steps_of, counts, build, fit) if args.read_stats else {}
-    times, starts = interleaved(steps_of, args)
+    times, starts = interleaved(steps_of, args, comps)
     pooled, extras = {}, {}  # a method's instances (``--instances``) pooled
     for inst, t in times.items():
         method = inst.split("@")[0]
@@ -192,7 +206,8 @@ def run_torch(args):
         steps_of, counts, comps = {}, {}, {}
         for method in instances(args):
             steps_of[method], counts[method], comps[method] = build(method)
-        timed(hvd, steps_of, counts, build, args, model_name, out, reads, start_out=starts)
+        timed(hvd, steps_of, counts, build, args, model_name, out, reads, start_out=starts,
+              comps=comps)
         kept(comps, model_name, starts)
     return out, reads, starts, hvd.rank()
 
@@ -239,7 +254,7 @@ def run_tf(args):
             for method in instances(args):
                 steps_of[method], counts[method], comps[method] = build(method)
             timed(hvd, steps_of, counts, build, args, row, out, reads, fit=loop == "fit",
-                  start_out=starts)
+                  start_out=starts, comps=comps)
             kept(comps, row, starts)
             if args.profile:
                 for method, fn in steps_of.items():

@@ -32,3 +32,38 @@ def test_run_steps_option():
     args = bench_cluster.parser().parse_args(["--run-steps", "5"])
     assert args.run_steps == 5
     assert bench_cluster.parser().parse_args([]).run_steps == 1
+
+
+def test_bucket_bench_warms_a_fallback_until_its_check_decided():
+    """bench_buckets: a method with fallback="auto" runs untimed steps until its compressor's
+    stats show the check decided (at least ``--warmup``, at most ``fallback.start_steps()``),
+    every other method as many; then the methods take turns."""
+    import argparse
+    from examples import bench_buckets
+    from horovod_twobit.state import fallback
+    ran = {"none": 0, "twobit_fallback": 0, "auto_fallback": 0}
+
+    class Comp:
+        def __init__(self, m, decided_after):
+            self.m, self.after = m, decided_after
+
+        def stats(self):
+            return {"fallback_checks": [{}]} if ran[self.m] >= self.after else {}
+
+    def step(m):
+        def fn():
+            ran[m] += 1
+        return fn
+    comps = {"none": None, "twobit_fallback": Comp("twobit_fallback", 9),
+             "auto_fallback": Comp("auto_fallback", 10 ** 6)}  # never decides
+    args = argparse.Namespace(warmup=2, rounds=3, steps=1)
+    steps_of = {m: step(m) for m in ran}
+    times, starts = bench_buckets.interleaved(steps_of, args, comps)
+    most = fallback.start_steps()
+    assert len(starts["twobit_fallback"]) == 9 and len(starts["auto_fallback"]) == most
+    assert len(starts["none"]) == most  # as many as the longest check
+    assert all(len(t) == 3 for t in times.values())
+    comps["auto_fallback"] = Comp("auto_fallback", 0)  # decided from the start: the warmup
+    ran.update(dict.fromkeys(ran, 0))
+    times, starts = bench_buckets.interleaved(steps_of, args, comps)
+    assert [len(starts[m]) for m in ("none", "twobit_fallback", "auto_fallback")] == [9, 9, 2]

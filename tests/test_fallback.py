@@ -49,7 +49,12 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
     settles = framework == "torch" and mode in ("always", "handback")
     streamed = {}  # bucket -> its last step sent g alone (residuals known to be zero)
     hand_steps = 0  # steps of the check sent plain through Horovod's own allreduce
-    for step in range(len(SWITCH)):
+    steps = sum(1 for k in ranks[0] if k.startswith("decisions/"))
+    # "checked": the longest two blocks of one round (3 modes), its step 0, the step that
+    # decides and one after it
+    assert steps == (len(fallback.MODE_NAMES) * fallback.TURN * 2 + 3 if mode == "checked"
+                     else len(SWITCH))
+    for step in range(steps):
         if mode == "handback" and step == HANDBACK:
             for rank in range(2):
                 for n in w.residuals[rank]:
@@ -131,6 +136,7 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
         assert checks[0][0]["kept"] in ("model", "compressed", "plain"), checks
         assert checks[0][0]["steps"] == len(_schedule(ranks[0])), checks
         assert res.output.count("fallback checked over") == 2, res
+        assert res.output.count("fallback check not sure after") == 2, res  # one round is not
     for n in ranks[0]:
         if n.startswith("w/"):
             np.testing.assert_array_equal(ranks[1][n], ranks[0][n])
@@ -200,11 +206,12 @@ def test_plain_wait_sleeps_while_another_rank_is_late():
 
 def _schedule(rank):
     """The checked configuration's schedule, from the model's picks at step 0 (its workers
-    check every job: one round of each mode, no warmup)."""
+    check every job: one round of each mode a block, no warmup; one round is never sure, so
+    both blocks run)."""
     picks = [d == "plain" for d in rank["decisions/0"].tolist()]
     modes = fallback.candidates(picks, 1.0, 1.0)
     assert len(modes) >= 2, picks
-    return fallback.schedule(modes, 0, 1)
+    return fallback.schedule(modes, 0, 2)
 
 
 def _checked(rank, step):
@@ -387,7 +394,14 @@ def test_checked_candidates_and_schedule():
     assert fallback.schedule([M]) == []  # nothing to check
     assert fallback.TURN == 2
     assert fallback.schedule([M, P], 1, 2) == [M, M, P, P] * 3
-    assert len(fallback.schedule([M, C, P])) + 2 == fallback.start_steps()
+    # the blocks: the first, then as many again (without the warmup) while not sure
+    full, ends = fallback.blocks([(True, (1.0, 1.2)), (False, (1.0, 1.0))])  # all 3 modes
+    assert (fallback.WARMUP, fallback.SAMPLES, fallback.BLOCKS) == (0, 7, 3)
+    assert ends == [42, 84, 126] and full == fallback.schedule([M, C, P], 0, 21)
+    assert full[:42] == fallback.schedule([M, C, P]) and len(full) + 2 == fallback.start_steps()
+    assert fallback.blocks([(False, (1.0, 1.2))]) == (fallback.schedule([M, P], 0, 21),
+                                                      [28, 56, 84])
+    assert fallback.blocks([(False, (1.0, 10.0))]) == ([], [0])  # the model is sure
     for pick in (False, True):
         assert fallback.is_plain(M, pick) is pick
         assert fallback.is_plain(C, pick) is False and fallback.is_plain(P, pick) is True
@@ -414,6 +428,49 @@ def test_checked_medians_and_choice():
     assert fallback.choose([1.0, float("nan"), 0.995]) == M  # within TIE: the model's pick
     assert fallback.choose([float("nan"), 2.0, 1.0]) == P
     assert fallback.choose([float("nan")] * 3) == M
+
+
+def test_checked_sign_test_and_verdict():
+    """A check is sure of a mode where, round by round, no other is faster than it by more
+    than TIE at the sign test's confidence: the k-th smallest ratio of n paired rounds bounds
+    their median from below (at 93.75 %: the 2nd of 7, the 4th of 14, the 7th of 21; nothing
+    below 4 rounds). The verdict after a block: the medians and whether they hold."""
+    from math import comb
+    M, C, P = fallback.MODEL, fallback.COMPRESSED, fallback.PLAIN
+    for n, k in ((4, 1), (7, 2), (14, 4), (21, 7)):
+        xs = list(np.random.default_rng(n).permutation(np.arange(1.0, n + 1)))
+        assert fallback.lower_bound(xs) == k, n
+        # at most k - 1 of n below the median: within 1 - CONFIDENCE; k of them: beyond it
+        assert sum(comb(n, j) for j in range(k)) / 2 ** n <= 1 - fallback.CONFIDENCE
+        assert sum(comb(n, j) for j in range(k + 1)) / 2 ** n > 1 - fallback.CONFIDENCE
+    assert fallback.lower_bound([1.0, 2.0, 3.0]) == 0.0 and fallback.lower_bound([]) == 0.0
+
+    def rounds(plain):  # the model pick 1.0 a round, plain as given
+        return [{M: 1.0, P: p} for p in plain]
+    assert fallback.sure(rounds([1.1] * 7), M)  # plain 10 % slower every round
+    assert fallback.sure(rounds([0.5] + [1.1] * 6), M)  # one round against: still sure
+    assert not fallback.sure(rounds([0.5, 0.9] + [1.1] * 5), M)  # two: not
+    assert fallback.sure(rounds([0.995] * 7), M)  # within TIE: as good
+    assert not fallback.sure(rounds([0.98] * 7), M)
+    assert fallback.sure(rounds([0.8] * 7), P) and not fallback.sure(rounds([1.1] * 7), P)
+    assert not fallback.sure(rounds([1.1] * 3), M)  # too few rounds to be sure of anything
+    three = [{M: 1.0, C: 1.2, P: 1.1}] * 7
+    assert fallback.sure(three, M) and not fallback.sure(three, P)
+
+    steps = fallback.schedule([M, P], 0, 7)
+
+    def starts(plain):  # every step takes 1 s, but the timed plain ones take as given
+        t, out = 0.0, []
+        for i, mode in enumerate(steps):
+            out.append(t)
+            t += plain[i // 4] if mode == P and i % 2 == 1 else 1.0
+        return out + [t]
+    got = fallback.assess(steps, starts([1.1] * 7), last=False)
+    assert got == pytest.approx([1.0, float("nan"), 1.1, 1.0], nan_ok=True)
+    noisy = [0.8, 1.2, 0.9, 1.15, 1.05, 0.95, 1.1]  # median 1.05, but 3 of 7 rounds faster
+    assert fallback.assess(steps, starts(noisy), last=False)[-1] == 0.0
+    assert fallback.assess(steps, starts(noisy), last=True)[-1] == 1.0  # the last block
+    assert fallback.choose(fallback.assess(steps, starts(noisy), last=True)[:-1]) == M
 
 
 def test_torch_checker_follows_each_buckets_launches(monkeypatch):
@@ -446,19 +503,25 @@ def test_torch_checker_follows_each_buckets_launches(monkeypatch):
         seen.append(got)
         return got
 
-    sched = fallback.schedule([fallback.MODEL, fallback.COMPRESSED, fallback.PLAIN])
+    # two rounds a block are never sure (a sign test needs 4): the schedule goes on for a
+    # second block, whose 4 rounds, every one of them plain fastest, are
+    full, ends = fallback.blocks([(False, (1.0, 1.0)), (True, (1.0, 1.0))])
+    assert ends == [12, 24, 36]
+    sched = full[:ends[1]]
     assert step("ab", lambda n: fallback.MODEL) == {"a": False, "b": True}
     for s, mode in enumerate(sched, start=1):
         want = {k: fallback.is_plain(mode, picks[k]) for k in "ab"}
         assert step("ab", lambda n: sched[n - 1]) == want, s
+        assert checker.chosen is None and checker.steps == sched[:ends[s > ends[0]]], s
     assert not any(checker.settled(n) for n in range(len(sched) + 1))
     assert step("ab", lambda n: fallback.PLAIN) == {"a": True, "b": True}  # plain kept
     assert checker.settled(len(sched) + 1)  # from here on every launch takes the kept mode
-    assert checker.summary()["kept"] == "plain"
+    assert checker.summary()["kept"] == "plain" and checker.summary()["steps"] == ends[1]
     assert checker.summary()["median_span_ms"]["plain"] == pytest.approx(1e3)
     # a new bucket: checked anew on its own launches (a compressed pick: model and plain)
     picks["c"] = False
-    late = fallback.schedule([fallback.MODEL, fallback.PLAIN])
+    full, ends = fallback.blocks([(False, (1.0, 1.0))])
+    late = full[:ends[1]]
     assert step("abc", lambda n: fallback.PLAIN)["c"] is False  # its model pick first
     for s, mode in enumerate(late, start=1):
         got = step("abc", lambda n: mode)

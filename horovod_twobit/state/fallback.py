@@ -176,6 +176,13 @@ def compress_pays(layout, nranks, exchange, link):
 # from the start of its traced gradient reduction to the next step's (TensorFlow). Timing only
 # the exchanges (first gradient to last result), as before, missed what a mode costs around
 # them: on localhost it kept a mode whose steady step was 10-30 % slower.
+#
+# The check is sequential: after a block of SAMPLES rounds rank 0 asks whether its rounds are
+# sure of the pick (:func:`sure`: no other mode faster than the kept one by more than TIE, at
+# the CONFIDENCE of a sign test on the paired rounds). If not, and fewer than BLOCKS blocks ran,
+# the schedule goes on for another block and decides on all its rounds after it; after the last
+# block the medians decide as they stand. Modes far apart are decided after the first block;
+# modes close together, where 7 noisy rounds pick by chance, get up to BLOCKS times as many.
 
 MODEL, COMPRESSED, PLAIN = 0, 1, 2
 MODE_NAMES = ("model", "compressed", "plain")
@@ -184,12 +191,14 @@ WARMUP = 0  # untimed rounds first (a turn's first step already absorbs a compil
 SAMPLES = 7  # timed rounds: each candidate's figure is the median of as many steps
 MARGIN = 3.0  # not checked where the model has one side this many times faster than the other
 TIE = 0.01  # the model's pick is kept unless another candidate is faster by more than this
+BLOCKS = 3  # blocks of SAMPLES rounds at most: the check goes on while its rounds are not sure
+CONFIDENCE = 0.9375  # of :func:`sure`'s one-sided sign test (7 rounds: at most one against)
 
 
 def start_steps():
     """Steps a job runs before its checked decision holds, at most: the model's step, the
-    longest schedule (every mode in turns) and the step that decides."""
-    return 2 + len(MODE_NAMES) * TURN * (WARMUP + SAMPLES)
+    longest schedule (every mode in turns, every block) and the step that decides."""
+    return 2 + len(MODE_NAMES) * TURN * (WARMUP + SAMPLES * BLOCKS)
 
 
 def is_plain(mode, pick):
@@ -223,14 +232,10 @@ def schedule(modes, warmup=None, samples=None):
                                       for _ in range(TURN)]
 
 
-def medians(steps, spans, warmup=None):
-    """[figure] per mode (NaN for a mode never timed) of a schedule's timed steps (the last of
-    each turn, after the warmup rounds): the model's pick's median span, and each other mode's
-    as that median times the median, over the rounds, of its span over the model pick's span in
-    the same round (paired, so that a change in the machine's load between rounds falls on both
-    alike)."""
+def rounds_of(steps, spans, warmup=None):
+    """[{mode: span}] per timed round of a schedule: the last step of each mode's turn, after
+    the warmup rounds, where its span is known."""
     import math
-    import statistics
     per_round = max(len(set(steps)), 1) * TURN
     skip = (WARMUP if warmup is None else warmup) * per_round
     rounds = {}  # round -> {mode: span}
@@ -238,21 +243,90 @@ def medians(steps, spans, warmup=None):
         timed = i >= skip and i % TURN == TURN - 1
         if timed and s is not None and math.isfinite(s) and s > 0:
             rounds.setdefault(i // per_round, {})[mode] = s
-    base = [r[MODEL] for r in rounds.values() if MODEL in r]
+    return [rounds[k] for k in sorted(rounds)]
+
+
+def medians(steps, spans, warmup=None):
+    """[figure] per mode (NaN for a mode never timed) of a schedule's timed steps (the last of
+    each turn, after the warmup rounds): the model's pick's median span, and each other mode's
+    as that median times the median, over the rounds, of its span over the model pick's span in
+    the same round (paired, so that a change in the machine's load between rounds falls on both
+    alike)."""
+    import statistics
+    rounds = rounds_of(steps, spans, warmup)
+    base = [r[MODEL] for r in rounds if MODEL in r]
     out = [statistics.median(base) if base else float("nan")]
     for m in range(1, len(MODE_NAMES)):
-        ratios = [r[m] / r[MODEL] for r in rounds.values() if m in r and MODEL in r]
+        ratios = [r[m] / r[MODEL] for r in rounds if m in r and MODEL in r]
         out.append(out[0] * statistics.median(ratios) if ratios and base else float("nan"))
     return out
+
+
+def lower_bound(ratios, confidence=None):
+    """A lower bound of the median of ``ratios`` at ``confidence`` (one-sided, distribution
+    free): the k-th smallest, for the largest k where at most k - 1 of them fall below the
+    median with probability 1 - ``confidence`` or less (a sign test); 0 where there are too few
+    for that (4 at 93.75 %)."""
+    from math import comb
+    confidence = CONFIDENCE if confidence is None else confidence
+    n, xs = len(ratios), sorted(ratios)
+    k, below = 0, 0.0  # P(at most k of n below the median)
+    while k < n:
+        below += comb(n, k) / 2.0 ** n
+        if below > 1.0 - confidence + 1e-12:
+            break
+        k += 1
+    return xs[k - 1] if k else 0.0
+
+
+def sure(rounds, chosen, tie=None):
+    """Whether the timed ``rounds`` (:func:`rounds_of`) are sure that no other mode is faster
+    than ``chosen`` by more than ``tie``: for each other mode timed with it, the
+    :func:`lower_bound` of its span over the chosen one's, round by round, is 1 - ``tie`` or
+    more."""
+    tie = TIE if tie is None else tie
+    others = {m for r in rounds for m in r} - {chosen}
+    for m in others:
+        ratios = [r[m] / r[chosen] for r in rounds if m in r and chosen in r]
+        if lower_bound(ratios) < 1.0 - tie:
+            return False
+    return True
 
 
 def from_starts(steps, starts):
     """:func:`medians` of a schedule from when each step started: ``starts[j]`` is when scheduled
     step j started (None if unknown), ``starts[len(steps)]`` when the step after them did; a
     step's figure is the whole step, from its start to the next one's."""
-    spans = [b - a if a is not None and b is not None else None
-             for a, b in zip(starts, starts[1:])]
-    return medians(steps, spans)
+    return medians(steps, _spans(starts))
+
+
+def _spans(starts):
+    return [b - a if a is not None and b is not None else None
+            for a, b in zip(starts, starts[1:])]
+
+
+def assess(steps, starts, last):
+    """What the step after a block of the check decides, on rank 0 (broadcast, so every rank
+    goes on alike): :func:`from_starts`'s figures and a last value, 1.0 where the check is
+    decided (its rounds are :func:`sure` of the mode :func:`choose` keeps, or ``last``, the
+    last block, ran) and 0.0 where it goes on for another block."""
+    spans = _spans(starts)
+    figures = medians(steps, spans)
+    done = last or sure(rounds_of(steps, spans), choose(figures))
+    return figures + [1.0 if done else 0.0]
+
+
+def blocks(firsts):
+    """The check's schedule of every block, and the lengths after which it may decide (one per
+    block, in order), from each bucket's (model pick, modelled (compressed s, plain s)) at its
+    first step; the schedule runs up to one of them (the first, then the next while the rounds
+    are not sure)."""
+    full = schedule_of(firsts, BLOCKS)
+    if not full:
+        return [], [0]
+    block = len(full) // (WARMUP + SAMPLES * BLOCKS) * SAMPLES  # steps of a block's rounds
+    first = len(full) - (BLOCKS - 1) * block
+    return full, [first + i * block for i in range(BLOCKS)]
 
 
 def choose(figures, tie=TIE):
@@ -268,11 +342,12 @@ def choose(figures, tie=TIE):
     return best
 
 
-def schedule_of(firsts):
-    """The schedule of a check, from each bucket's (model pick, modelled (compressed s, plain
-    s)) at its first step."""
+def schedule_of(firsts, blocks=1):
+    """The schedule of a check's first ``blocks`` blocks, from each bucket's (model pick,
+    modelled (compressed s, plain s)) at its first step."""
     return schedule(candidates([p for p, _ in firsts], sum(t[0] for _, t in firsts),
-                               sum(t[1] for _, t in firsts)))
+                               sum(t[1] for _, t in firsts)),
+                    samples=SAMPLES * blocks)
 
 
 def summary(steps, chosen, figures):
@@ -284,6 +359,15 @@ def summary(steps, chosen, figures):
 def log_checked(where, steps, figures, chosen):
     """Logs a checked decision once: its ``steps``, the median spans and the mode kept."""
     _log.info("horovod-twobit: fallback checked over %d steps (%s): median span %s; keeping %s",
-              steps, where, ", ".join("%s %.3g ms" % (MODE_NAMES[m], 1e3 * s)
-                                      for m, s in enumerate(figures) if s == s),
-              MODE_NAMES[chosen])
+              steps, where, _spans_text(figures), MODE_NAMES[chosen])
+
+
+def log_longer(where, steps, figures):
+    """Logs a check that goes on for another block after ``steps`` steps, not sure yet."""
+    _log.info("horovod-twobit: fallback check not sure after %d steps (%s): median span %s; "
+              "checking another block", steps, where, _spans_text(figures))
+
+
+def _spans_text(figures):
+    return ", ".join("%s %.3g ms" % (MODE_NAMES[m], 1e3 * s) for m, s in enumerate(figures)
+                     if s == s)

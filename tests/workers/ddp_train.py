@@ -12,8 +12,8 @@ only, find_unused_parameters=True), ``scatter`` / ``xauto`` (exchange="scatter" 
 ``min=N`` (min_numel=N), ``fault=inf`` / ``fault=-inf`` (the fault injected instead of a NaN),
 ``mismatch`` (the last rank uses another threshold: every rank must raise, none hang),
 ``cuda`` (the model and its gradients on the GPU, every rank on cuda:0, gloo moving CUDA tensors),
-``fallback=checked`` (fallback="auto" with its check forced on, one round of each mode: steps
-sent plain and compressed, each bucket's decision recorded per step). The residuals the ranks keep
+``fallback=checked`` (fallback="auto" with its check forced on, one round of each mode a block,
+two blocks: steps sent plain and compressed, each bucket's decision recorded per step). The residuals the ranks keep
 as scatter owners and the final stats are recorded too.
 """
 
@@ -40,7 +40,8 @@ min_numel, fault = int(options.get("min", 0)), float(options.get("fault", "nan")
 fallback_mode = options.get("fallback")
 if fallback_mode == "checked":  # checked on every job, whatever the model's margin
     from horovod_twobit.state import fallback
-    fallback.MARGIN, fallback.WARMUP, fallback.SAMPLES = float("inf"), 0, 1
+    # one round a block (never sure: two blocks run)
+    fallback.MARGIN, fallback.WARMUP, fallback.SAMPLES, fallback.BLOCKS = float("inf"), 0, 1, 2
     STEPS = fallback.start_steps() + 1  # the schedule, the step that decides and one after it
 DEVICE = torch.device("cuda:0" if "cuda" in modes else "cpu")  # cuda: every rank on one GPU
 torch.set_num_threads(1)

@@ -46,7 +46,7 @@ def run(spec):
     c = TwoBitCompressor(threshold if threshold == "auto" else float(threshold),
                          bucket_bytes=2048, exchange=exchange,
                          fallback="always" if mode == "always" else "auto")
-    checked_schedule(mode)
+    steps = checked_schedule(mode)
     if mode == "switch":
         c.state.decisions = Forced()
         c.state.check_fallback = False  # the forced decisions hold as they are
@@ -65,7 +65,7 @@ def run(spec):
 
     step_fn = tf.function(train_step)
     rec = {}
-    for step in range(len(SWITCH)):
+    for step in range(steps):
         if mode == "switch":
             Forced.mode = SWITCH[step]
             step_fn = tf.function(train_step)  # traced anew: decided anew

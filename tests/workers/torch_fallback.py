@@ -57,7 +57,7 @@ def run(spec):
     c = TwoBitCompressor(threshold if threshold == "auto" else float(threshold),
                          bucket_bytes=2048, exchange=exchange,
                          fallback="always" if mode in ("always", "handback") else "auto")
-    checked_schedule(mode)
+    steps = checked_schedule(mode)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), compression=c)
     if mode == "switch":
@@ -77,7 +77,7 @@ def run(spec):
     groups = [["2.bias", "2.weight", "0.bias"], ["0.weight"]]
     keys = ["2.bias (+2)", "0.weight"]
     rec = {}
-    for step in range(len(SWITCH)):
+    for step in range(steps):
         if mode == "switch":
             for k in keys:
                 c.decisions[(k, hvd.size())] = SWITCH[step]

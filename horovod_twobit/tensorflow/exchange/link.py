@@ -86,8 +86,9 @@ class Check:
     traced gradient reduction: made when :mod:`..grads_fn` traces it, so a retrace (a new step
     shape, new buckets) checks anew. The step's mode is decided in the graph from the number
     of steps run, the same on every rank: the model's picks at step 0, the schedule's modes in
-    turns after it (set when the trace ends, from every bucket's pick), then the mode that rank
-    0's medians chose, broadcast at the first step after the schedule. A step's figure runs
+    turns after it (set when the trace ends, from every bucket's pick; another block of them at
+    a time while rank 0's rounds are not sure), then the mode that rank 0's medians chose,
+    broadcast at the first step after the schedule. A step's figure runs
     from the start of its traced gradient reduction (its gradients there) to the next step's
     (the whole step)."""
 
@@ -100,8 +101,8 @@ class Check:
         self.count = state.variable(np.int64(0))
         self.length = state.variable(np.int64(0))
         # the longest schedule with the settings of now (read at each trace)
-        self.max_steps = len(fallback.MODE_NAMES) * fallback.TURN * (fallback.WARMUP +
-                                                                      fallback.SAMPLES)
+        self.max_steps = fallback.start_steps() - 2
+        self.ends = None  # where a block of the schedule may end (set at the trace's end)
         self.sched = state.variable(np.zeros(self.max_steps, np.int32))
         self.starts = state.variable(np.full(self.max_steps, np.nan))  # of scheduled steps
         self.chosen = state.variable(np.int32(fallback.MODEL))
@@ -114,38 +115,53 @@ class Check:
             self.t0 = tf.timestamp()
         n = self.length.read_value()
         decide_now = tf.logical_and(tf.equal(self.step, n + 1), n > 0)
-        chosen = tf.cond(decide_now, self._decide, self.chosen.read_value)
+        # (the schedule's length now, the mode kept): a decision keeps a mode, or makes the
+        # schedule a block longer, this step its next
+        self.n, chosen = tf.cond(decide_now, self._decide,
+                                 lambda: (tf.identity(n), self.chosen.read_value()))
         scheduled = tf.gather(self.sched.read_value(),
                               tf.clip_by_value(self.step - 1, 0, self.max_steps - 1))
         self.mode = tf.where(tf.equal(self.step, 0), fallback.MODEL,
-                             tf.where(self.step <= n, scheduled, chosen))
+                             tf.where(self.step <= self.n, scheduled, chosen))
 
     def _decide(self):
-        figures = tf.numpy_function(self._medians, [self.sched.read_value(),
-                                                    self.starts.read_value(),
-                                                    self.length.read_value(), self.t0],
-                                    tf.float64, stateful=True)
-        figures = tf.reshape(figures, [len(fallback.MODE_NAMES)])
+        n = self.length.read_value()
+        got = tf.numpy_function(self._assess, [self.sched.read_value(), self.starts.read_value(),
+                                               n, self.t0], tf.float64, stateful=True)
+        got = tf.reshape(got, [len(fallback.MODE_NAMES) + 1])
         if self.process_set.size() > 1:
-            figures = mpi_ops.broadcast(figures, 0, name="twobit.fallback.checked.%d" % self.serial,
-                                        process_set=self.process_set)
-        chosen = tf.reshape(tf.numpy_function(self._choose, [figures], tf.int32, stateful=True), [])
-        with tf.control_dependencies([self.figures.assign(figures), self.chosen.assign(chosen)]):
-            return tf.identity(chosen)
+            got = mpi_ops.broadcast(got, 0, name="twobit.fallback.checked.%d" % self.serial,
+                                    process_set=self.process_set)
+        n_then, chosen = tf.numpy_function(self._choose, [got, n], [tf.int64, tf.int32],
+                                           stateful=True)
+        n_then, chosen = tf.reshape(n_then, []), tf.reshape(chosen, [])
+        figures = got[:len(fallback.MODE_NAMES)]
+        done = got[-1] > 0.5
+        updates = [self.length.assign(n_then),
+                   self.figures.assign(tf.where(done, figures, self.figures.read_value())),
+                   self.chosen.assign(chosen)]
+        with tf.control_dependencies(updates):
+            return tf.identity(n_then), tf.identity(chosen)
 
-    @staticmethod
-    def _medians(sched, starts, n, now):
-        """The figures from the scheduled steps' starts and ``now``, the next step's."""
+    def _assess(self, sched, starts, n, now):
+        """:func:`fallback.assess` from the scheduled steps' starts and ``now``, the next
+        step's."""
         n = int(n)
-        return np.array(fallback.from_starts([int(m) for m in sched[:n]],
-                                             [float(s) for s in starts[:n]] + [float(now)]),
-                        np.float64)
+        return np.array(fallback.assess([int(m) for m in sched[:n]],
+                                        [float(s) for s in starts[:n]] + [float(now)],
+                                        n >= self.ends[-1]), np.float64)
 
-    def _choose(self, figures):
-        chosen = fallback.choose([float(x) for x in figures])
-        fallback.log_checked("%d buckets" % len(self.firsts), len(self.steps or ()),
-                             [float(x) for x in figures], chosen)
-        return np.int32(chosen)
+    def _choose(self, got, n):
+        """(The schedule's length from now, the mode kept: the model's pick while the check goes
+        on) from rank 0's verdict ``got``, after ``n`` scheduled steps."""
+        figures, n = [float(x) for x in got[:-1]], int(n)
+        where = "%d buckets" % len(self.firsts)
+        if got[-1] > 0.5:
+            chosen = fallback.choose(figures)
+            fallback.log_checked(where, n, figures, chosen)
+            return np.int64(n), np.int32(chosen)
+        fallback.log_longer(where, n, figures)
+        return np.int64(min(e for e in self.ends if e > n)), np.int32(fallback.MODEL)
 
     def plain(self, key, pick, times):
         """Whether bucket ``key`` (model pick ``pick``) goes plain this step: a 0-d bool tensor.
@@ -158,12 +174,12 @@ class Check:
     def end(self, results):
         """After the step's buckets were traced: sets the schedule (now, eagerly), and records the
         step's start and count in the graph; returns ``results`` after them."""
-        self.steps = fallback.schedule_of(list(self.firsts.values()))
+        self.steps, self.ends = fallback.blocks(list(self.firsts.values()))
         with tf.init_scope():
             padded = self.steps + [0] * (self.max_steps - len(self.steps))
             self.sched.assign(np.array(padded, np.int32))
-            self.length.assign(len(self.steps))
-        timed = tf.logical_and(self.step >= 1, self.step <= self.length.read_value())
+            self.length.assign(self.ends[0])
+        timed = tf.logical_and(self.step >= 1, self.step <= self.n)
         index = tf.reshape(tf.clip_by_value(self.step - 1, 0, self.max_steps - 1), [1, 1])
         updates = [tf.cond(timed,
                            lambda: self.starts.scatter_nd_update(index, [self.t0]).value()[0],

@@ -40,7 +40,8 @@ class Checker:
     the buckets of one group of ``size`` ranks (``broadcast(floats, name)`` gives rank 0's
     floats on every rank). Each bucket counts its own launches, so a launch's mode is a
     function of that count alone, the same on every rank: the model's pick at a bucket's first
-    launch, the schedule's modes in turns after it, then the mode rank 0's medians chose. A bucket
+    launch, the schedule's modes in turns after it (another block of them at a time while rank
+    0's rounds are not sure), then the mode rank 0's medians chose. A bucket
     first seen after the schedule was made (a new tensor size, a new group) is checked anew, with
     the others that first launch in the same step, by a later checker (:attr:`late`)."""
 
@@ -50,7 +51,8 @@ class Checker:
         self.picks = {}  # the model's picks, fallback.decide's cache
         self.launches = {}  # bucket key -> its launches so far
         self.first = {}  # bucket key -> (model pick, modelled (compressed s, plain s))
-        self.steps = None  # the schedule, made at the first bucket's second launch
+        self.steps = None  # the schedule so far, made at the first bucket's second launch
+        self.full, self.ends = None, None  # every block's schedule; where a block may end it
         self.starts = {}  # checked step -> when its first gradient arrived
         self.chosen = None
         self.figures = None  # rank 0's median span per mode
@@ -74,11 +76,12 @@ class Checker:
             if k == 0:
                 self.first[key] = (pick, times())
             elif self.steps is None:  # every bucket of step 0 has launched
-                self.steps = fallback.schedule_of(list(self.first.values()))
+                self.full, self.ends = fallback.blocks(list(self.first.values()))
+                self.steps = self.full[:self.ends[0]]
             if 1 <= k <= len(self.steps or ()) + 1:  # (the step after the schedule ends its last)
                 self.starts[k] = min(self.starts.get(k, float("inf")), started)
         if self.steps is not None and k > len(self.steps) and self.chosen is None:
-            self._decide()  # the first launch after the schedule, on every rank
+            self._decide(k)  # the first launch after the schedule, on every rank
         if k == 0:
             mode = fallback.MODEL
         elif k <= len(self.steps):
@@ -101,22 +104,32 @@ class Checker:
         """Whether a bucket's launch ``step`` took the chosen mode, as all its later ones will."""
         return self.chosen is not None and step > len(self.steps)
 
-    def _decide(self):
+    def _decide(self, k):
+        """At launch ``k``, the first after the schedule so far: decides, or makes the schedule
+        a block longer (:func:`fallback.assess`, rank 0's verdict)."""
         with self._deciding:
-            if self.chosen is not None:
-                return
+            if self.chosen is not None or k <= len(self.steps):
+                return  # decided or made longer by another bucket's launch of this step
             steps = self.steps
             if not steps:
                 self.chosen = fallback.MODEL
                 return
             with self._lock:
                 starts = [self.starts.get(j) for j in range(1, len(steps) + 2)]
-            figures = fallback.from_starts(steps, starts)
+            got = fallback.assess(steps, starts, len(steps) >= self.ends[-1])
             if self.size > 1:
-                figures = self.broadcast(figures, "twobit.fallback.checked.%d" % self.generation)
+                got = self.broadcast(got, "twobit.fallback.checked.%d.%d"
+                                     % (self.generation, len(steps)))
+            figures, done = [float(x) for x in got[:-1]], got[-1] > 0.5
+            where = "%d buckets" % len(self.first)
+            if not done:
+                fallback.log_longer(where, len(steps), figures)
+                with self._lock:
+                    self.steps = self.full[:min(e for e in self.ends if e > len(steps))]
+                return
             self.figures = figures
             chosen = fallback.choose(figures)
-            fallback.log_checked("%d buckets" % len(self.first), len(steps), figures, chosen)
+            fallback.log_checked(where, len(steps), figures, chosen)
             self.chosen = chosen
 
     def summaries(self):
