@@ -23,6 +23,14 @@ TWOBIT = {"twobit": ("fixed", "allgather"), "auto": ("auto", "allgather"),
           "scatter": ("fixed", "scatter"), "scatter_auto": ("auto", "scatter"),
           "twobit_fallback": ("fixed", "allgather"), "auto_fallback": ("auto", "allgather"),
           "twobit_always": ("fixed", "allgather")}
+
+
+def kind_of(method):
+    """A method's kind: ``twobit#2``, another instance of ``twobit`` (its own model and names:
+    an A/A pair with it, the bench's own spread), is ``twobit``."""
+    return method.split("#")[0]
+
+
 # about 3x the mean |gradient| of each model at step 0
 THRESHOLDS = {"mlp": 1e-3, "cnn": 1e-2, "resnet": 1e-2, "transformer": 1e-2, "digits": 7e-3,
               "charlstm": 6e-4}
@@ -226,17 +234,18 @@ def horovod_setup(args, methods):
             net.load_state_dict(runs[0][1].state_dict())
         else:
             hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-        if method in TWOBIT:
+        base = kind_of(method)
+        if base in TWOBIT:
             from horovod_twobit.torch import TwoBitCompressor
-            kind, exchange = TWOBIT[method]
+            kind, exchange = TWOBIT[base]
             threshold = args.threshold or THRESHOLDS[args.model]
             compression = TwoBitCompressor(threshold if kind == "fixed" else "auto",
                                            exchange=exchange, bucket_bytes=args.bucket_bytes,
-                                           fallback="auto" if method.endswith("_fallback")
-                                           else "always" if method.endswith("_always")
+                                           fallback="auto" if base.endswith("_fallback")
+                                           else "always" if base.endswith("_always")
                                            else None)
         else:
-            compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[method]
+            compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[base]
         opt = hvd.DistributedOptimizer(
             optimizer(net, args),
             named_parameters=[(method + "." + n, p) for n, p in net.named_parameters()],
@@ -257,7 +266,7 @@ def warmup_steps(method, warmup):
     """The most untimed steps of ``method``: ``warmup``, or with ``fallback="auto"`` the steps
     its checked decision may take (:func:`checking` ends them sooner), so that the timed steps
     are the mode it kept."""
-    if method.endswith("_fallback"):
+    if kind_of(method).endswith("_fallback"):
         from horovod_twobit.state import fallback
         return max(warmup, fallback.start_steps())
     return warmup
@@ -409,7 +418,7 @@ def worker(args):
 
     torch.set_num_threads(args.threads)
     methods = args.method.split(",")
-    clock = CodecClock() if any(m in TWOBIT for m in methods) else None
+    clock = CodecClock() if any(kind_of(m) in TWOBIT for m in methods) else None
     if args.worker == "horovod":
         runs, rank, size, barrier = horovod_setup(args, methods)
     else:
@@ -479,7 +488,8 @@ def worker(args):
         rec[method].update(eval_loss_start=loss0, eval_loss=eval_loss(net, batch, args.model),
                            steps=args.steps,
                            threshold=(args.threshold or THRESHOLDS[args.model])
-                           if dict(TWOBIT, **DDP_TWOBIT).get(method, ("",))[0] == "fixed"
+                           if dict(TWOBIT, **DDP_TWOBIT).get(kind_of(method), ("",))[0]
+                           == "fixed"
                            else None,
                            fallback=fallback_record(getattr(opt, "_compression", None)))
     res = {"rank": rank, "size": size, "methods": rec,

@@ -9,6 +9,8 @@ timed step), and the loss after the steps on a fixed evaluation batch. The Horov
 model run in one horovodrun job over ssh and take turns step by step (``examples/_cluster_worker.py``;
 ``--job-per-method`` gives each its own job); DDP jobs are started in every host with
 ``ip netns exec`` (torch.distributed, gloo backend, MASTER_ADDR = host 0), one per method.
+A Horovod method followed by ``#TAG`` (``none#2``) is another instance of it in the same job, with
+its own model and names: the two differ by the bench's own spread (an A/A pair).
 
 Needs root (network namespaces). Quick run::
 
@@ -50,7 +52,8 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
 from examples._cluster_calibrate import calibrate_worker  # noqa: E402
-from examples._cluster_worker import DDP_TWOBIT, THRESHOLDS, TWOBIT, worker  # noqa: E402
+from examples._cluster_worker import (DDP_TWOBIT, THRESHOLDS, TWOBIT, kind_of,  # noqa: E402
+                                     worker)
 
 HOROVOD_METHODS = {"none": "Horovod, no compression", "fp16": "Horovod, Compression.fp16",
                    "twobit": "Horovod, TwoBitCompressor",
@@ -179,7 +182,7 @@ def run_job(c, args, model, methods, rate, log):
     throttled0 = {k: v["throttled_s"] for k, v in c.cpu_stats().items()}
     stream = Progress(log, "%s %s" % (model, ",".join(methods)))
     try:
-        if methods[0] in HOROVOD_METHODS:
+        if kind_of(methods[0]) in HOROVOD_METHODS:
             res = c.horovodrun(1, [sys.executable, script, "--worker", "horovod"] + common,
                                timeout=timeout, env=env, stream=stream)
         else:
@@ -205,6 +208,7 @@ def run_job(c, args, model, methods, rate, log):
         return statistics.median(statistics.median(r[key]) for r in per_rank) / d
 
     for m in methods:
+        hvd_m = kind_of(m) in HOROVOD_METHODS
         per_rank = [r["methods"][m] for r in ranks]
         step_max = [max(r["times"][i] for r in per_rank) for i in range(args.steps)]
         rows.append({"model": model, "method": m, "rate": rate, "failed": False,
@@ -215,9 +219,9 @@ def run_job(c, args, model, methods, rate, log):
                      "step_s": [t / d for t in step_max],
                      "cpus_per_host": c.cpus_per_host,
                      # DDP communicates inside backward: its parts cannot be told apart here
-                     "compute_s": per_host(per_rank, "compute") if m in HOROVOD_METHODS else None,
-                     "codec_s": per_host(per_rank, "codec") if m in HOROVOD_METHODS else None,
-                     "wait_s": per_host(per_rank, "wait") if m in HOROVOD_METHODS else None,
+                     "compute_s": per_host(per_rank, "compute") if hvd_m else None,
+                     "codec_s": per_host(per_rank, "codec") if hvd_m else None,
+                     "wait_s": per_host(per_rank, "wait") if hvd_m else None,
                      "throttled_job_s": throttled,
                      "cpu_step_s": statistics.median(statistics.median(r["cpu"]) for r in per_rank),
                      "sys_step_s": statistics.median(statistics.median(r["sys"]) for r in per_rank),
@@ -291,9 +295,9 @@ def calibrate_hosts(c, args, rate, log):
 def jobs(methods, args):
     """The methods grouped into jobs: the Horovod ones together (unless --job-per-method), every
     DDP method alone."""
-    hvd = [m for m in methods if m in HOROVOD_METHODS]
+    hvd = [m for m in methods if kind_of(m) in HOROVOD_METHODS]
     grouped = [hvd] if hvd and not args.job_per_method else [[m] for m in hvd]
-    return grouped + [[m] for m in methods if m not in HOROVOD_METHODS]
+    return grouped + [[m] for m in methods if kind_of(m) not in HOROVOD_METHODS]
 
 
 def fmt_bytes(b):
@@ -307,8 +311,9 @@ def table(results, args):
              % (args.warmup + args.steps), "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     base = {(r["rate"], r["model"]): r for r in results if r["method"] == "none" and not r["failed"]}
     for r in results:
-        label = ALL_METHODS[r["method"]]
-        if (r["method"] in TWOBIT or r["method"] in DDP_TWOBIT) and r.get("threshold"):
+        kind, tag = kind_of(r["method"]), r["method"][len(kind_of(r["method"])):]
+        label = ALL_METHODS[kind] + (" " + tag if tag else "")
+        if (kind in TWOBIT or kind in DDP_TWOBIT) and r.get("threshold"):
             label += " (t=%g)" % r["threshold"]
         if r["failed"]:
             lines.append("| %s | %s | %s | failed | | | | | | |" % (r["rate"], r["model"], label))
@@ -341,7 +346,7 @@ def plot(results, path, hosts):
         for j, rate in enumerate(rates):
             ax = axes[i][j]
             rows = [r for r in ok if r["model"] == model and r["rate"] == rate]
-            names = [r["method"] for r in rows]
+            names = [kind_of(r["method"]) for r in rows]
             colors = ["tab:red" if n in TWOBIT or n in DDP_TWOBIT else "tab:blue" if n in HOROVOD_METHODS
                       else "tab:gray" for n in names]
             bars = ax.bar(range(len(rows)), [r.get("real_step_s", r["median_step_s"]) for r in rows],
@@ -379,7 +384,9 @@ def driver(args):
         print("bench_cluster: %s" % reason, file=sys.stderr)
         return 2
     methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in ALL_METHODS]
+    # METHOD#TAG: another instance of a Horovod method (an A/A pair), in the same job
+    bad = [m for m in methods if kind_of(m) not in ALL_METHODS
+           or (m != kind_of(m) and kind_of(m) not in HOROVOD_METHODS)]
     if bad:
         print("unknown methods %s (choose from %s)" % (bad, ", ".join(ALL_METHODS)), file=sys.stderr)
         return 2
@@ -435,7 +442,7 @@ def driver(args):
         order = list(ALL_METHODS)
         rates = list(dict.fromkeys(r["rate"] for r in previous + results))
         results.sort(key=lambda r: (rates.index(r["rate"]), r["model"] != "mlp", r["model"],
-                                    order.index(r["method"])))
+                                    order.index(kind_of(r["method"])), r["method"]))
         methods = list(dict.fromkeys(r["method"] for r in results))
     emulated = ("Every host had a hard CPU quota of %.3g cores (its own CPU cgroup) and the "
                 "cluster ran with time dilation %.3g (links at rate / %.3g): each host stands for "
@@ -491,7 +498,8 @@ def parser():
                          "examples/convergence.py's MLP and LSTM on their data, with the "
                          "time-to-accuracy study's optimizers (examples/time_to_accuracy.py)")
     ap.add_argument("--methods", default=DEFAULT_METHODS,
-                    help="comma-separated, from: %s" % ", ".join(ALL_METHODS))
+                    help="comma-separated, from: %s; a Horovod method followed by #TAG is "
+                         "another instance of it (an A/A pair)" % ", ".join(ALL_METHODS))
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (PowerSGD starts "
                                                            "compressing at step 2)")

@@ -298,18 +298,24 @@ def test_cluster_benchmark_reports_every_method(tmp_path):
     """examples/bench_cluster.py: the Horovod methods in one job taking turns, a DDP method in its
     own (DDP's fp16 hook and this project's 2-bit hook); every method gets a row with its step time, CPU time and bytes, and TwoBit's bytes are
     the format's fraction of no compression's; a fallback's row holds its decision per bucket
-    and the link it measured."""
+    and the link it measured; ``twobit#2`` is another instance of TwoBit in the same job (its own
+    names and row), a tag on a DDP method is refused."""
     out = tmp_path / "bench"
+    bad = subprocess.run([sys.executable, os.path.join(REPO, "examples", "bench_cluster.py"),
+                          "--methods", "none,ddp_fp16#2", "--out", str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown methods ['ddp_fp16#2']" in bad.stderr, bad.stderr
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "examples", "bench_cluster.py"), "--hosts", "2",
          "--rates", "1gbit", "--models", "cnn", "--methods",
-         "none,twobit,twobit_fallback,ddp_fp16,ddp_twobit",
+         "none,twobit,twobit_fallback,ddp_fp16,ddp_twobit,twobit#2",
          "--steps", "3", "--warmup", "1", "--iface", "hvdbench", "--subnet", "10.77.2.0/24",
          "--out", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["method"]: r for r in json.load(open(out / "bench_cluster.json"))["results"]}
-    assert sorted(rows) == ["ddp_fp16", "ddp_twobit", "none", "twobit", "twobit_fallback"]
+    assert sorted(rows) == ["ddp_fp16", "ddp_twobit", "none", "twobit", "twobit#2",
+                            "twobit_fallback"]
     from horovod_twobit.cluster import cpu
     q = os.cpu_count() * 0.8 / 2 if cpu.backends() else None  # the default emulation
     for r in rows.values():
@@ -336,8 +342,13 @@ def test_cluster_benchmark_reports_every_method(tmp_path):
     assert rows["ddp_fp16"]["bytes_per_step"] < rows["none"]["bytes_per_step"]
     # the DDP hook sends the 2-bit payloads too: within 10 % of Horovod's TwoBit bytes
     assert rows["ddp_twobit"]["bytes_per_step"] < 1.1 * rows["twobit"]["bytes_per_step"]
-    assert "| 1gbit | cnn (19.5k params) | Horovod, TwoBitCompressor (t=0.01) |" in \
-        (out / "bench_cluster.md").read_text()
+    md = (out / "bench_cluster.md").read_text()
+    assert "| 1gbit | cnn (19.5k params) | Horovod, TwoBitCompressor (t=0.01) |" in md
+    # the A/A instance: the same method in the same job, sending as much
+    assert "| 1gbit | cnn (19.5k params) | Horovod, TwoBitCompressor #2 (t=0.01) |" in md
+    assert rows["twobit#2"]["job_s"] == rows["twobit"]["job_s"]
+    assert rows["twobit#2"]["codec_s"] > 0 and rows["twobit#2"]["fallback"] is None
+    assert abs(rows["twobit#2"]["bytes_per_step"] / rows["twobit"]["bytes_per_step"] - 1) < 0.2
 
 
 def test_cluster_benchmark_calibrates_its_hosts(tmp_path):
