@@ -147,7 +147,8 @@ def timed(hvd, steps_of, counts, build, args, row, out, read_out, fit=False, sta
         out[(row, method)] = (_median_across(hvd, t), out[(row, method)][1])
     for method, got in extras.items():
         extra = statistics.mean(e for _, e in got)
-        start_out[(row, method)] = (got[0][0], float(max(hvd.allgather_object(extra))))
+        start_out[(row, method)] = ("/".join(str(n) for n, _ in got),  # per instance
+                                    float(max(hvd.allgather_object(extra))))
     for twin, d in stats_cost.timed_reads(reads, times).items():
         read_out[(row, twin)] = _median_across(hvd, d)
 
@@ -187,7 +188,7 @@ def start_table(starts):
         twin = starts.get((row, method.replace("_fallback", "")))
         if "_fallback" not in method or twin is None:
             continue
-        lines.append("| %s, %s | %d | %.2f | %.2f | %.2f | %s |"
+        lines.append("| %s, %s | %s | %.2f | %.2f | %.2f | %s |"
                      % (row, method, n, extra, twin[1], extra - twin[1],
                         got[2] if len(got) > 2 else "model (not checked)"))
     return "\n".join(lines) if len(lines) > 2 else ""

@@ -64,8 +64,11 @@ def _build_grads_fn(name, device_dense, device_sparse, compression, sparse_as_de
         state = checks.state_of(compression)
         if not (state.fallback == "auto" and state.check_fallback and tf.inside_function()):
             return reduce_grads(grads, vars, use_generic_names, keys)
-        # fallback="auto": the model's picks are checked on the first steps of this trace
         from horovod_twobit.tensorflow.exchange import link
+        present = [k for g, k in zip(grads, keys) if g is not None]
+        if link.settles(state, present, process_set.size()):
+            return reduce_grads(grads, vars, use_generic_names, keys)  # every mode settled
+        # fallback="auto": the model's picks are checked on the first steps of this trace
         with tf.name_scope(name + "_FallbackCheck"):
             check = link.Check(state, process_set, after=grads)
         state.checks.append(check)

@@ -46,6 +46,10 @@ class TwoBitState:
         self.links = {}  # (process set id, size) -> the measured Link
         self.checks = []  # the checked decisions of traced gradient reductions (fallback="auto")
         self.checks_made = 0  # names each check's broadcast, alike on every rank
+        # (bucket key, number of ranks) -> whether it goes plain, as a decided check kept it:
+        # a retraced step keeps it without a check (a Keras callback can retrace for that)
+        self.settled = {}
+        self.settled_keys = {}  # number of ranks -> the member keys of the buckets settled
         self.zero_flags = {}  # bucket key -> variable: its residuals are known to be zero
         self.stats_slots = Slots()
         self.norms = None  # the residual norms' reader, made on the first stats() call
@@ -73,11 +77,14 @@ class TwoBitState:
         link = lambda: self.link(process_set)  # noqa: E731
         from horovod_twobit.tensorflow.exchange.link import current
         check = current() if self.fallback == "auto" and self.check_fallback else None
+        settled = self.settled.get((scatter_wire.owner_key(keys), n))
+        if settled is not None and self.fallback == "auto":
+            return settled  # a check decided it: a step traced since keeps it, unchecked
         if check is None:
             return decide(self.picks, keys, layout, n, exchange, self.fallback, link)
         pick = decide(self.picks, keys, layout, n, exchange, self.fallback, link)
         return check.plain(scatter_wire.owner_key(keys), pick,
-                           lambda: modelled(layout, n, exchange, link))
+                           lambda: modelled(layout, n, exchange, link), keys)
 
     @property
     def decisions(self):

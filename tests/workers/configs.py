@@ -38,14 +38,19 @@ HANDBACK = 4  # the step before which the "handback" configuration loads residua
 def checked_schedule(mode):
     """MODE "checked": fallback="auto" checks the model's picks on every job (whatever the
     model's margin), one round a block without warmup, two blocks (one round is never sure:
-    the check always goes on for the second); returns the steps to run: ``SWITCH``'s, or in
-    "checked" the longest schedule, the step that decides and one after it."""
+    the check always goes on for the second), and the check keeps plain whatever it timed (so
+    that the steps after it are settled plain alike in every run); returns the steps to run:
+    ``SWITCH``'s, or in "checked" the longest schedule, the step that decides and one after
+    it."""
     from horovod_twobit.state import fallback
     global _DEFAULTS
     if _DEFAULTS is None:
-        _DEFAULTS = fallback.MARGIN, fallback.WARMUP, fallback.SAMPLES, fallback.BLOCKS
-    checked = (float("inf"), 0, 1, 2) if mode == "checked" else _DEFAULTS
-    fallback.MARGIN, fallback.WARMUP, fallback.SAMPLES, fallback.BLOCKS = checked
+        _DEFAULTS = (fallback.MARGIN, fallback.WARMUP, fallback.SAMPLES, fallback.BLOCKS,
+                     fallback.choose)
+    checked = ((float("inf"), 0, 1, 2, lambda figures, tie=None: fallback.PLAIN)
+               if mode == "checked" else _DEFAULTS)
+    (fallback.MARGIN, fallback.WARMUP, fallback.SAMPLES, fallback.BLOCKS,
+     fallback.choose) = checked
     return fallback.start_steps() + 1 if mode == "checked" else len(SWITCH)
 
 

@@ -63,12 +63,15 @@ def run(spec):
             v.assign_sub(tf.where(ok, 0.1 * g, tf.zeros_like(g)))  # skipped when not finite
         return local, agg
 
-    step_fn = tf.function(train_step)
+    first_fn = step_fn = tf.function(train_step)
     rec = {}
     for step in range(steps):
         if mode == "switch":
             Forced.mode = SWITCH[step]
             step_fn = tf.function(train_step)  # traced anew: decided anew
+        if mode == "checked" and step == steps - 1:
+            # traced anew after the check decided: its buckets keep the mode kept, unchecked
+            step_fn = tf.function(train_step)
         data = np.random.default_rng(1000 * rank + step)
         x = data.standard_normal((16, 12)).astype(np.float32)
         y = data.standard_normal((16, 6)).astype(np.float32)
@@ -96,7 +99,12 @@ def run(spec):
     rec["checks"] = np.array(json.dumps(c.stats().get("fallback_checks")))
     # where the checked decision's step starts: its timestamp runs once the gradients it reduces
     # are there (their ops among its control inputs), not wherever the executor puts it
-    graph = step_fn.get_concrete_function(x, y, f).graph
+    graph = first_fn.get_concrete_function(x, y, f).graph
+    # the step traced after the decision: no check's ops, no checked exchange (a Case op)
+    retraced = step_fn.get_concrete_function(x, y, f).graph.get_operations()
+    rec["retraced_check_ops"] = np.int64(sum("FallbackCheck" in op.name or op.type == "Case"
+                                             for op in retraced))
+    rec["checks_made"] = np.int64(c.state.checks_made)
     starts = [op for op in graph.get_operations()
               if op.type == "Timestamp" and "FallbackCheck" in op.name]
     grads_of = {op.name for op in graph.get_operations() if "gradient_tape" in op.name}

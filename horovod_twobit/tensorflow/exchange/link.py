@@ -84,7 +84,10 @@ _local = threading.local()
 class Check:
     """``fallback="auto"``'s checked decision (:mod:`horovod_twobit.state.fallback`) for one
     traced gradient reduction: made when :mod:`..grads_fn` traces it, so a retrace (a new step
-    shape, new buckets) checks anew. The step's mode is decided in the graph from the number
+    shape, new buckets) checks anew the buckets no check has settled yet; a bucket a check has
+    settled (``state.settled``) keeps its mode in the retraced step without one, and where
+    every gradient's bucket is settled the retraced step has no check at all
+    (:func:`settles`). The step's mode is decided in the graph from the number
     of steps run, the same on every rank: the model's picks at step 0, the schedule's modes in
     turns after it (set when the trace ends, from every bucket's pick; another block of them at
     a time while rank 0's rounds are not sure), then the mode that rank 0's medians chose,
@@ -94,10 +97,11 @@ class Check:
 
     def __init__(self, state, process_set, after=()):
         self.state, self.process_set = state, process_set
+        self.firsts = {}  # bucket key -> (model pick, modelled (compressed s, plain s))
+        self.members = set()  # the keys of its buckets' members
+        self.steps = None
         self.serial = state.checks_made
         state.checks_made += 1
-        self.firsts = {}  # bucket key -> (model pick, modelled (compressed s, plain s))
-        self.steps = None
         self.count = state.variable(np.int64(0))
         self.length = state.variable(np.int64(0))
         # the longest schedule with the settings of now (read at each trace)
@@ -159,13 +163,23 @@ class Check:
         if got[-1] > 0.5:
             chosen = fallback.choose(figures)
             fallback.log_checked(where, n, figures, chosen)
+            self._settle(chosen)
             return np.int64(n), np.int32(chosen)
         fallback.log_longer(where, n, figures)
         return np.int64(min(e for e in self.ends if e > n)), np.int32(fallback.MODEL)
 
-    def plain(self, key, pick, times):
-        """Whether bucket ``key`` (model pick ``pick``) goes plain this step: a 0-d bool tensor.
-        ``times()``: the model's (compressed, plain) seconds for it."""
+    def _settle(self, chosen):
+        """Every bucket's mode, now that the check kept ``chosen``: a retrace keeps it."""
+        n = self.process_set.size()
+        for key, (pick, _) in self.firsts.items():
+            self.state.settled[(key, n)] = fallback.is_plain(chosen, pick)
+        self.state.settled_keys.setdefault(n, set()).update(self.members)
+
+    def plain(self, key, pick, times, members=()):
+        """Whether bucket ``key`` (model pick ``pick``, its members' keys ``members``) goes plain
+        this step: a 0-d bool tensor. ``times()``: the model's (compressed, plain) seconds for
+        it."""
+        self.members.update(members)
         if key not in self.firsts:
             self.firsts[key] = (bool(pick), times())
         return tf.logical_or(tf.equal(self.mode, fallback.PLAIN),
@@ -175,6 +189,8 @@ class Check:
         """After the step's buckets were traced: sets the schedule (now, eagerly), and records the
         step's start and count in the graph; returns ``results`` after them."""
         self.steps, self.ends = fallback.blocks(list(self.firsts.values()))
+        if not self.steps:  # nothing to check: the model's picks hold, in a retrace too
+            self._settle(fallback.MODEL)
         with tf.init_scope():
             padded = self.steps + [0] * (self.max_steps - len(self.steps))
             self.sched.assign(np.array(padded, np.int32))
@@ -227,3 +243,9 @@ def checking(check):
 
 def current():
     return getattr(_local, "check", None)
+
+
+def settles(state, keys, nranks):
+    """Whether decided checks have settled the buckets of every gradient of ``keys`` with
+    ``nranks`` ranks: a gradient reduction traced then needs no check."""
+    return bool(keys) and set(keys) <= state.settled_keys.get(nranks, set())
