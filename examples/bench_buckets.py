@@ -88,10 +88,10 @@ def bucket_bytes(size):
 def interleaved(steps_of, args, comps=None):
     """Runs the methods' step functions in turns (see the module docstring); returns each
     method's list of timed step durations, and of its untimed first steps: ``--warmup``, or
-    where a method has ``fallback="auto"`` as many as its checked decision takes (at most
-    ``fallback.start_steps()``; until ``comps[method].stats()`` shows it decided, the same step
-    on every rank), and the others as many as the most of those, so that each has the same
-    start."""
+    where a method has ``fallback="auto"`` as many as its checked decision takes and one more
+    (at most ``fallback.start_steps()``; until ``comps[method].stats()`` shows it decided, the
+    same step on every rank), and the others as many as the most of those, so that each has
+    the same start."""
     checked = [m for m in steps_of if "_fallback" in m]
     first = args.warmup
     if checked:
@@ -101,9 +101,13 @@ def interleaved(steps_of, args, comps=None):
 
     def warm(m, most, until_decided):
         starts[m] = []
+        decided = None  # the steps run when the stats first showed the check decided
         while len(starts[m]) < most:
-            if (until_decided and len(starts[m]) >= args.warmup
-                    and comps[m].stats().get("fallback_checks")):
+            if until_decided and decided is None and comps[m].stats().get("fallback_checks"):
+                decided = len(starts[m])
+            # one step more than the check took: a fit loop traces anew after it (as
+            # TwoBitFallbackCallback does), at the step after the decision
+            if decided is not None and len(starts[m]) >= max(args.warmup, decided + 1):
                 break
             t0 = time.perf_counter()
             steps_of[m]()
@@ -279,8 +283,17 @@ def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor
                                              sparse_as_dense=True)
         net.compile(optimizer=opt, loss=loss_fn)
         batches = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
-        train = net.make_train_function()
-        return (lambda: train(batches)["loss"].numpy()), len(net.trainable_variables), comp
+        # [train function, whether TwoBitFallbackCallback would still retrace it]
+        train = [net.make_train_function(), getattr(comp, "fallback", None) == "auto"]
+
+        def fit_step():
+            loss = train[0](batches)["loss"].numpy()
+            # what TwoBitFallbackCallback does in fit: the train function traced anew, once,
+            # after the check decided
+            if train[1] and comp.state.all_settled():
+                train[:] = [net.make_train_function(force=True), False]
+            return loss
+        return fit_step, len(net.trainable_variables), comp
     opt = tf.keras.optimizers.SGD(0.01)
 
     @tf.function

@@ -36,8 +36,9 @@ def test_run_steps_option():
 
 def test_bucket_bench_warms_a_fallback_until_its_check_decided():
     """bench_buckets: a method with fallback="auto" runs untimed steps until its compressor's
-    stats show the check decided (at least ``--warmup``, at most ``fallback.start_steps()``),
-    every other method as many; then the methods take turns."""
+    stats show the check decided, and one more (a fit loop traces anew there; at least
+    ``--warmup``, at most ``fallback.start_steps()``), every other method as many; then the
+    methods take turns."""
     import argparse
     from examples import bench_buckets
     from horovod_twobit.state import fallback
@@ -60,10 +61,10 @@ def test_bucket_bench_warms_a_fallback_until_its_check_decided():
     steps_of = {m: step(m) for m in ran}
     times, starts = bench_buckets.interleaved(steps_of, args, comps)
     most = fallback.start_steps()
-    assert len(starts["twobit_fallback"]) == 9 and len(starts["auto_fallback"]) == most
+    assert len(starts["twobit_fallback"]) == 10 and len(starts["auto_fallback"]) == most
     assert len(starts["none"]) == most  # as many as the longest check
     assert all(len(t) == 3 for t in times.values())
     comps["auto_fallback"] = Comp("auto_fallback", 0)  # decided from the start: the warmup
     ran.update(dict.fromkeys(ran, 0))
     times, starts = bench_buckets.interleaved(steps_of, args, comps)
-    assert [len(starts[m]) for m in ("none", "twobit_fallback", "auto_fallback")] == [9, 9, 2]
+    assert [len(starts[m]) for m in ("none", "twobit_fallback", "auto_fallback")] == [10, 10, 2]

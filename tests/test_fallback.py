@@ -570,3 +570,27 @@ def test_tf_plain_exchange_paths_on_one_rank():
     assert len(got) == 24
     bad = {k: v for k, v in got.items() if not all(v)}
     assert not bad, bad
+
+
+def test_tf_fallback_callback_retraces_keras_once_decided():
+    """TwoBitFallbackCallback: a 2-rank Keras fit whose check keeps plain, or compressed, traces
+    its train function anew once the check decided, with no new check; the steps after it keep
+    the mode kept; every loss and final weight is the same as without the callback, bit for
+    bit, and the same on both ranks."""
+    res = jobs.run(2, "tf_fit_settle.py", timeout=400)
+    got = {}
+    for line in res.output.splitlines():
+        if "RESULT " in line:
+            rank, text = line.split("RESULT ", 1)[1].split(" ", 1)
+            got[int(rank)] = json.loads(text)
+    assert sorted(got) == [0, 1], res.output[-2000:]
+    for kept in ("plain", "compressed"):
+        for r in (0, 1):
+            with_cb, without = got[r]["%s/True" % kept], got[r]["%s/False" % kept]
+            assert with_cb["functions"] == 2 and without["functions"] == 1, kept
+            assert with_cb["checks_made"] == without["checks_made"] == 1, kept
+            assert with_cb["kept"] == without["kept"] == [kept], kept
+            assert set(with_cb["exchanges"]) == {"plain" if kept == "plain" else "allgather"}
+            assert with_cb["losses"] == without["losses"], kept
+            assert with_cb["weights"] == without["weights"], kept
+            assert with_cb["weights"] == got[0]["%s/True" % kept]["weights"], kept

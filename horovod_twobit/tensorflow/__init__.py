@@ -11,11 +11,11 @@ go to Horovod unchanged.
 
 from horovod_twobit.tensorflow.codec import auto_levels, auto_threshold, decode, encode
 from horovod_twobit.tensorflow.compressor import TwoBitCompressor
-from horovod_twobit.tensorflow.callbacks import TwoBitStatsCallback
+from horovod_twobit.tensorflow.callbacks import TwoBitFallbackCallback, TwoBitStatsCallback
 from horovod_twobit.tensorflow.router import install, installed, uninstall
 from horovod_twobit.wire import PayloadMismatchError
 
 install()
 
 __all__ = ["encode", "decode", "auto_levels", "auto_threshold", "TwoBitCompressor",
-           "TwoBitStatsCallback", "install", "uninstall", "installed", "PayloadMismatchError"]
+           "TwoBitStatsCallback", "TwoBitFallbackCallback", "install", "uninstall", "installed", "PayloadMismatchError"]

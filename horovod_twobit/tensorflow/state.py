@@ -86,6 +86,13 @@ class TwoBitState:
         return check.plain(scatter_wire.owner_key(keys), pick,
                            lambda: modelled(layout, n, exchange, link), keys)
 
+    def all_settled(self):
+        """Whether ``fallback="auto"`` has checks and every one has decided (read eagerly): a
+        step traced now needs none."""
+        if self.fallback != "auto" or not self.checks:
+            return False
+        return all(not c.steps or c.summary() is not None for c in self.checks)
+
     @property
     def decisions(self):
         """(bucket key, number of ranks) -> "compressed" / "plain": the model's picks, and for

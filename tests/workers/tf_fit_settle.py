@@ -1,0 +1,66 @@
+"""TwoBitFallbackCallback in a real 2-rank Keras job: fit with fallback="auto" checked on every
+job (one round a block, two blocks: tests/workers/configs.py), the check made to keep KEPT
+("plain" or "compressed"), with and without the callback. Prints, per run, the final weights,
+the losses, how many train functions fit ran and how many checks were made, and each bucket's
+exchange on the last step, as a RESULT line of JSON."""
+
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow.keras as hvd
+from horovod_twobit.state import fallback
+from horovod_twobit.tensorflow import TwoBitCompressor, TwoBitFallbackCallback
+from configs import checked_schedule
+
+hvd.init()
+rank = hvd.rank()
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+STEPS = 16
+
+
+class Functions(tf.keras.callbacks.Callback):
+    """The train functions fit ran, and the loss after each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.losses = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.seen or self.seen[-1] is not self.model.train_function:
+            self.seen.append(self.model.train_function)
+        self.losses.append(float(logs["loss"]))
+
+
+def run(kept, callback):
+    checked_schedule("checked")
+    fallback.choose = lambda figures, tie=None: fallback.MODE_NAMES.index(kept)
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((12,)),
+                                 tf.keras.layers.Dense(40, activation="tanh", name="%s_l0" % kept),
+                                 tf.keras.layers.Dense(6, name="%s_l1" % kept)])
+    c = TwoBitCompressor(0.05, bucket_bytes=2048, fallback="auto")
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=c),
+                  loss="mse")
+    data = np.random.default_rng(rank)
+    x = data.standard_normal((16 * STEPS, 12)).astype(np.float32)
+    y = data.standard_normal((16 * STEPS, 6)).astype(np.float32)
+    seen = Functions()
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), seen]
+    if callback:
+        callbacks.insert(1, TwoBitFallbackCallback(c))
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    st = c.stats()
+    return {"weights": [w.tolist() for w in model.get_weights()], "losses": seen.losses,
+            "functions": len(seen.seen), "checks_made": c.state.checks_made,
+            "kept": [k["kept"] for k in st.get("fallback_checks", [])],
+            "exchanges": sorted(b["exchange"] for b in st["buckets"].values())}
+
+
+out = {"%s/%s" % (kept, cb): run(kept, cb) for kept in ("plain", "compressed")
+       for cb in (True, False)}
+print("RESULT %d %s" % (rank, json.dumps(out)), flush=True)
+sys.exit(0)
