@@ -588,6 +588,10 @@ def test_tf_fallback_callback_retraces_keras_once_decided():
         for r in (0, 1):
             with_cb, without = got[r]["%s/True" % kept], got[r]["%s/False" % kept]
             assert with_cb["functions"] == 2 and without["functions"] == 1, kept
+            # the train function traced after the decision has no check in it, nor in the
+            # gradient function it calls (a function of its own, traced anew with it)
+            assert with_cb["check_ops"][0] > 0 and with_cb["check_ops"][1] == 0, with_cb
+            assert without["check_ops"] == with_cb["check_ops"][:1], kept
             assert with_cb["checks_made"] == without["checks_made"] == 1, kept
             assert with_cb["kept"] == without["kept"] == [kept], kept
             assert set(with_cb["exchanges"]) == {"plain" if kept == "plain" else "allgather"}

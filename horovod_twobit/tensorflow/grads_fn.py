@@ -60,7 +60,10 @@ def _build_grads_fn(name, device_dense, device_sparse, compression, sparse_as_de
               op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
               process_set=process_set)
 
-    def allreduce_grads(grads, vars, use_generic_names, keys):
+    def allreduce_grads(grads, vars, use_generic_names, keys, settled=0):
+        """(``settled``: how many buckets checks had settled when this was called: a step
+        traced anew after a check decided traces this anew too, where it is a function of its
+        own, so that the step keeps the modes kept without a check)"""
         state = checks.state_of(compression)
         if not (state.fallback == "auto" and state.check_fallback and tf.inside_function()):
             return reduce_grads(grads, vars, use_generic_names, keys)
@@ -146,10 +149,11 @@ def _build_grads_fn(name, device_dense, device_sparse, compression, sparse_as_de
         if not sparse_as_dense:
             for g, k in zip(grads, keys):
                 checks.refuse_sparse(g, "the gradient of %r" % (k,))
+        settled = len(getattr(checks.state_of(compression), "settled", ()))
         if not tf.executing_eagerly():
-            return fn(grads, vars, use_generic_names, keys)
+            return fn(grads, vars, use_generic_names, keys, settled)
         with checks.translated():
-            return fn(grads, vars, use_generic_names, keys)
+            return fn(grads, vars, use_generic_names, keys, settled)
 
     return run
 

@@ -35,6 +35,17 @@ class Functions(tf.keras.callbacks.Callback):
         self.losses.append(float(logs["loss"]))
 
 
+def check_ops(fn):
+    """The ops of fallback="auto"'s check (its step counter, the checked exchanges' Case ops)
+    in the traced function ``fn`` and the functions it calls."""
+    n = 0
+    for cf in fn._list_all_concrete_functions():
+        gd = cf.graph.as_graph_def()
+        nodes = list(gd.node) + [nd for f in gd.library.function for nd in f.node_def]
+        n += sum("FallbackCheck" in nd.name or nd.op == "Case" for nd in nodes)
+    return n
+
+
 def run(kept, callback):
     checked_schedule("checked")
     fallback.choose = lambda figures, tie=None: fallback.MODE_NAMES.index(kept)
@@ -56,6 +67,7 @@ def run(kept, callback):
     st = c.stats()
     return {"weights": [w.tolist() for w in model.get_weights()], "losses": seen.losses,
             "functions": len(seen.seen), "checks_made": c.state.checks_made,
+            "check_ops": [check_ops(f) for f in seen.seen],
             "kept": [k["kept"] for k in st.get("fallback_checks", [])],
             "exchanges": sorted(b["exchange"] for b in st["buckets"].values())}
 
