@@ -26,7 +26,8 @@ every step, and a table of what that costs (:mod:`horovod_twobit.benchmarks.stat
 
 starts ``horovodrun -np 2`` per framework and prints a table of median step times (ms) with the
 ratio to no compression. Each rank uses one thread (``--threads``). TensorFlow trains in a
-``tf.function`` with ``hvd.DistributedGradientTape`` (``--tf-loops tape``, the default), or with
+``tf.function`` with ``hvd.DistributedGradientTape`` (``--tf-loops tape``, the default; ``anew``:
+the same, wrapped in a ``tf.function`` anew once ``fallback="auto"`` decided), or with
 ``horovod.tensorflow.keras.DistributedOptimizer`` in the train function ``model.fit`` runs for each
 batch (``--tf-loops fit``; its rows say ``(fit)``), or both (``--tf-loops tape,fit``).
 
@@ -249,9 +250,9 @@ def run_tf(args):
     out, reads, starts = {}, {}, {}
     for model_name in args.models.split(","):
         for loop in args.tf_loops.split(","):
-            if loop not in ("tape", "fit"):
-                raise ValueError("unknown TensorFlow loop %r (tape or fit)" % loop)
-            row = model_name if loop == "tape" else "%s (fit)" % model_name
+            if loop not in ("tape", "anew", "fit"):
+                raise ValueError("unknown TensorFlow loop %r (tape, anew or fit)" % loop)
+            row = model_name if loop == "tape" else "%s (%s)" % (model_name, loop)
             def build(method, model_name=model_name, loop=loop):
                 return tf_step(model_name, loop, method, args, tf, hvd, hvd_keras,
                                TwoBitCompressor)
@@ -296,8 +297,7 @@ def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor
         return fit_step, len(net.trainable_variables), comp
     opt = tf.keras.optimizers.SGD(0.01)
 
-    @tf.function
-    def step(x, y):
+    def train_step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, net(x, training=True))
         tape = hvd.DistributedGradientTape(tape, compression=comp, sparse_as_dense=True)
@@ -305,7 +305,15 @@ def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor
         opt.apply_gradients(zip(grads, net.trainable_variables))
         return loss
 
-    return (lambda: step(x, y).numpy()), len(net.trainable_variables), comp
+    # [the step, whether it is still to be wrapped anew after the check ("anew")]
+    step = [tf.function(train_step), loop == "anew" and getattr(comp, "fallback", None) == "auto"]
+
+    def tape_step():
+        loss = step[0](x, y).numpy()
+        if step[1] and comp.state.all_settled():  # as the docs tell a custom loop to
+            step[:] = [tf.function(train_step), False]
+        return loss
+    return tape_step, len(net.trainable_variables), comp
 
 
 def _median_across(hvd, times):
@@ -347,8 +355,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tf-loops", default="tape",
                     help="TensorFlow training loops: tape (DistributedGradientTape in a "
-                         "tf.function), fit (the Keras DistributedOptimizer in fit's train "
-                         "function), or both, comma-separated")
+                         "tf.function), anew (the same, wrapped in a tf.function anew once "
+                         "fallback=\"auto\" decided), fit (the Keras DistributedOptimizer in "
+                         "fit's train function, traced anew once it decided, as "
+                         "TwoBitFallbackCallback does), comma-separated")
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="TensorFlow: after timing, trace this many steps of each method (with "

@@ -576,7 +576,8 @@ def test_tf_fallback_callback_retraces_keras_once_decided():
     """TwoBitFallbackCallback: a 2-rank Keras fit whose check keeps plain, or compressed, traces
     its train function anew once the check decided, with no new check; the steps after it keep
     the mode kept; every loss and final weight is the same as without the callback, bit for
-    bit, and the same on both ranks."""
+    bit, and the same on both ranks. A tape loop that wraps its step anew once
+    ``state.all_settled()`` does so even where its first call traced twice."""
     res = jobs.run(2, "tf_fit_settle.py", timeout=400)
     got = {}
     for line in res.output.splitlines():
@@ -598,3 +599,9 @@ def test_tf_fallback_callback_retraces_keras_once_decided():
             assert with_cb["losses"] == without["losses"], kept
             assert with_cb["weights"] == without["weights"], kept
             assert with_cb["weights"] == got[0]["%s/True" % kept]["weights"], kept
+            # a tape loop whose first call traced twice (a Keras optimizer making its variable):
+            # the first trace's check never ran, and the loop still sees every check decided
+            tape = got[r]["tape/%s" % kept]
+            assert tape["first_traces"] == 2 and tape["checks_made"] == 2, tape
+            assert tape["functions"] == 2 and tape["check_ops"][1] == 0 < tape["check_ops"][0]
+            assert set(tape["exchanges"]) == {"plain" if kept == "plain" else "allgather"}

@@ -87,11 +87,14 @@ class TwoBitState:
                            lambda: modelled(layout, n, exchange, link), keys)
 
     def all_settled(self):
-        """Whether ``fallback="auto"`` has checks and every one has decided (read eagerly): a
-        step traced now needs none."""
-        if self.fallback != "auto" or not self.checks:
+        """Whether ``fallback="auto"`` has checks that ran and every one of them has decided
+        (read eagerly): a step traced now needs none. A check whose step never ran (a
+        ``tf.function`` traces twice where its first call makes variables, and runs the
+        second) does not count."""
+        if self.fallback != "auto":
             return False
-        return all(not c.steps or c.summary() is not None for c in self.checks)
+        ran = [c for c in self.checks if c.ran()]
+        return bool(ran) and all(not c.steps or c.summary() is not None for c in ran)
 
     @property
     def decisions(self):

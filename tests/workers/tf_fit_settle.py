@@ -1,6 +1,7 @@
 """TwoBitFallbackCallback in a real 2-rank Keras job: fit with fallback="auto" checked on every
 job (one round a block, two blocks: tests/workers/configs.py), the check made to keep KEPT
-("plain" or "compressed"), with and without the callback. Prints, per run, the final weights,
+("plain" or "compressed"), with and without the callback; and a tape loop wrapped anew once
+the check decided. Prints, per run, the final weights,
 the losses, how many train functions fit ran and how many checks were made, and each bucket's
 exchange on the last step, as a RESULT line of JSON."""
 
@@ -11,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow.keras as hvd
+import horovod.tensorflow as hvd_tf
 from horovod_twobit.state import fallback
 from horovod_twobit.tensorflow import TwoBitCompressor, TwoBitFallbackCallback
 from configs import checked_schedule
@@ -72,7 +74,43 @@ def run(kept, callback):
             "exchanges": sorted(b["exchange"] for b in st["buckets"].values())}
 
 
+def run_tape(kept):
+    """A tf.function of DistributedGradientTape and a Keras optimizer, which makes a variable
+    at its first call (so the function's first call traces twice, and runs the second), wrapped
+    anew once the compressor's checks have all decided, as the docs tell a custom loop to."""
+    checked_schedule("checked")
+    fallback.choose = lambda figures, tie=None: fallback.MODE_NAMES.index(kept)
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((12,)),
+                                 tf.keras.layers.Dense(40, activation="tanh", name="t%s_l0" % kept),
+                                 tf.keras.layers.Dense(6, name="t%s_l1" % kept)])
+    c = TwoBitCompressor(0.05, bucket_bytes=2048, fallback="auto")
+    opt = tf.keras.optimizers.SGD(0.1)
+    hvd_tf.broadcast_variables(model.variables, root_rank=0)
+
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        grads = hvd_tf.DistributedGradientTape(tape, compression=c).gradient(
+            loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    fns = [tf.function(train_step)]
+    data = np.random.default_rng(rank)
+    for _ in range(STEPS):
+        fns[-1](data.standard_normal((16, 12)).astype(np.float32),
+                data.standard_normal((16, 6)).astype(np.float32))
+        if len(fns) == 1 and c.state.all_settled():
+            fns.append(tf.function(train_step))
+    return {"functions": len(fns), "check_ops": [check_ops(f) for f in fns],
+            "first_traces": len(fns[0]._list_all_concrete_functions()),
+            "checks_made": c.state.checks_made,
+            "exchanges": sorted(b["exchange"] for b in c.stats()["buckets"].values())}
+
+
 out = {"%s/%s" % (kept, cb): run(kept, cb) for kept in ("plain", "compressed")
        for cb in (True, False)}
+out.update({"tape/%s" % kept: run_tape(kept) for kept in ("plain", "compressed")})
 print("RESULT %d %s" % (rank, json.dumps(out)), flush=True)
 sys.exit(0)

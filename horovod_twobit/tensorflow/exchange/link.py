@@ -222,6 +222,10 @@ class Check:
         return {k: "plain" if fallback.is_plain(mode, p) else "compressed"
                 for k, (p, _) in self.firsts.items()}
 
+    def ran(self):
+        """Whether a step of this check's trace has run (eager)."""
+        return int(self.count.numpy()) > 0
+
     def summary(self):
         """The check for the stats: None until decided."""
         n = int(self.length.numpy())
