@@ -284,17 +284,10 @@ def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor
                                              sparse_as_dense=True)
         net.compile(optimizer=opt, loss=loss_fn)
         batches = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
-        # [train function, whether TwoBitFallbackCallback would still retrace it]
-        train = [net.make_train_function(), getattr(comp, "fallback", None) == "auto"]
-
-        def fit_step():
-            loss = train[0](batches)["loss"].numpy()
-            # what TwoBitFallbackCallback does in fit: the train function traced anew, once,
-            # after the check decided
-            if train[1] and comp.state.all_settled():
-                train[:] = [net.make_train_function(force=True), False]
-            return loss
-        return fit_step, len(net.trainable_variables), comp
+        # as TwoBitFallbackCallback does: the train function traced anew once it decided
+        return (_made_anew(lambda: net.make_train_function(force=True),
+                           lambda train: train(batches)["loss"].numpy(), comp, True),
+                len(net.trainable_variables), comp)
     opt = tf.keras.optimizers.SGD(0.01)
 
     def train_step(x, y):
@@ -305,15 +298,23 @@ def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor
         opt.apply_gradients(zip(grads, net.trainable_variables))
         return loss
 
-    # [the step, whether it is still to be wrapped anew after the check ("anew")]
-    step = [tf.function(train_step), loop == "anew" and getattr(comp, "fallback", None) == "auto"]
+    # "anew": wrapped anew once it decided, as the docs tell a custom loop to
+    return (_made_anew(lambda: tf.function(train_step), lambda step: step(x, y).numpy(), comp,
+                       loop == "anew"),
+            len(net.trainable_variables), comp)
 
-    def tape_step():
-        loss = step[0](x, y).numpy()
-        if step[1] and comp.state.all_settled():  # as the docs tell a custom loop to
-            step[:] = [tf.function(train_step), False]
-        return loss
-    return tape_step, len(net.trainable_variables), comp
+
+def _made_anew(make, call, comp, anew):
+    """A step function: ``call(fn)`` on the traced function ``make()`` gives, made anew once
+    (with ``anew``) after ``comp``'s ``fallback="auto"`` checks all decided."""
+    fn = [make(), anew and getattr(comp, "fallback", None) == "auto"]
+
+    def step():
+        out = call(fn[0])
+        if fn[1] and comp.state.all_settled():
+            fn[:] = [make(), False]
+        return out
+    return step
 
 
 def _median_across(hvd, times):

@@ -321,12 +321,26 @@ def blocks(firsts):
     block, in order), from each bucket's (model pick, modelled (compressed s, plain s)) at its
     first step; the schedule runs up to one of them (the first, then the next while the rounds
     are not sure)."""
-    full = schedule_of(firsts, BLOCKS)
+    modes = candidates([p for p, _ in firsts], sum(t[0] for _, t in firsts),
+                       sum(t[1] for _, t in firsts))
+    full = schedule(modes, samples=SAMPLES * BLOCKS)
     if not full:
         return [], [0]
-    block = len(full) // (WARMUP + SAMPLES * BLOCKS) * SAMPLES  # steps of a block's rounds
-    first = len(full) - (BLOCKS - 1) * block
-    return full, [first + i * block for i in range(BLOCKS)]
+    per_round = len(modes) * TURN
+    return full, [per_round * (WARMUP + SAMPLES * (i + 1)) for i in range(BLOCKS)]
+
+
+def verdict(got, steps, ends, where):
+    """What every rank does with rank 0's :func:`assess` ``got`` after ``steps`` scheduled steps
+    (``ends``: :func:`blocks`' lengths): (the figures, the mode kept or None while the check
+    goes on, the schedule's length from now); logged."""
+    figures = [float(x) for x in got[:-1]]
+    if got[-1] > 0.5:
+        chosen = choose(figures)
+        log_checked(where, steps, figures, chosen)
+        return figures, chosen, steps
+    log_longer(where, steps, figures)
+    return figures, None, min(e for e in ends if e > steps)
 
 
 def choose(figures, tie=TIE):
@@ -340,14 +354,6 @@ def choose(figures, tie=TIE):
     if MODEL in timed and figures[best] >= figures[MODEL] * (1.0 - tie):
         return MODEL
     return best
-
-
-def schedule_of(firsts, blocks=1):
-    """The schedule of a check's first ``blocks`` blocks, from each bucket's (model pick,
-    modelled (compressed s, plain s)) at its first step."""
-    return schedule(candidates([p for p, _ in firsts], sum(t[0] for _, t in firsts),
-                               sum(t[1] for _, t in firsts)),
-                    samples=SAMPLES * blocks)
 
 
 def summary(steps, chosen, figures):

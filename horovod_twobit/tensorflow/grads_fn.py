@@ -149,7 +149,7 @@ def _build_grads_fn(name, device_dense, device_sparse, compression, sparse_as_de
         if not sparse_as_dense:
             for g, k in zip(grads, keys):
                 checks.refuse_sparse(g, "the gradient of %r" % (k,))
-        settled = len(getattr(checks.state_of(compression), "settled", ()))
+        settled = len(checks.state_of(compression).settled)
         if not tf.executing_eagerly():
             return fn(grads, vars, use_generic_names, keys, settled)
         with checks.translated():

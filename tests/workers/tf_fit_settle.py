@@ -48,14 +48,21 @@ def check_ops(fn):
     return n
 
 
-def run(kept, callback):
+def setup(kept, prefix):
+    """The check made to keep ``kept`` (checked on every job, tests/workers/configs.py), a
+    2-layer model named after ``prefix`` and ``kept``, and a TwoBitCompressor with the fallback."""
     checked_schedule("checked")
     fallback.choose = lambda figures, tie=None: fallback.MODE_NAMES.index(kept)
     tf.keras.utils.set_random_seed(0)
-    model = tf.keras.Sequential([tf.keras.Input((12,)),
-                                 tf.keras.layers.Dense(40, activation="tanh", name="%s_l0" % kept),
-                                 tf.keras.layers.Dense(6, name="%s_l1" % kept)])
-    c = TwoBitCompressor(0.05, bucket_bytes=2048, fallback="auto")
+    model = tf.keras.Sequential([
+        tf.keras.Input((12,)),
+        tf.keras.layers.Dense(40, activation="tanh", name="%s%s_l0" % (prefix, kept)),
+        tf.keras.layers.Dense(6, name="%s%s_l1" % (prefix, kept))])
+    return model, TwoBitCompressor(0.05, bucket_bytes=2048, fallback="auto")
+
+
+def run(kept, callback):
+    model, c = setup(kept, "")
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=c),
                   loss="mse")
     data = np.random.default_rng(rank)
@@ -78,13 +85,7 @@ def run_tape(kept):
     """A tf.function of DistributedGradientTape and a Keras optimizer, which makes a variable
     at its first call (so the function's first call traces twice, and runs the second), wrapped
     anew once the compressor's checks have all decided, as the docs tell a custom loop to."""
-    checked_schedule("checked")
-    fallback.choose = lambda figures, tie=None: fallback.MODE_NAMES.index(kept)
-    tf.keras.utils.set_random_seed(0)
-    model = tf.keras.Sequential([tf.keras.Input((12,)),
-                                 tf.keras.layers.Dense(40, activation="tanh", name="t%s_l0" % kept),
-                                 tf.keras.layers.Dense(6, name="t%s_l1" % kept)])
-    c = TwoBitCompressor(0.05, bucket_bytes=2048, fallback="auto")
+    model, c = setup(kept, "t")
     opt = tf.keras.optimizers.SGD(0.1)
     hvd_tf.broadcast_variables(model.variables, root_rank=0)
 

@@ -158,15 +158,12 @@ class Check:
     def _choose(self, got, n):
         """(The schedule's length from now, the mode kept: the model's pick while the check goes
         on) from rank 0's verdict ``got``, after ``n`` scheduled steps."""
-        figures, n = [float(x) for x in got[:-1]], int(n)
-        where = "%d buckets" % len(self.firsts)
-        if got[-1] > 0.5:
-            chosen = fallback.choose(figures)
-            fallback.log_checked(where, n, figures, chosen)
-            self._settle(chosen)
-            return np.int64(n), np.int32(chosen)
-        fallback.log_longer(where, n, figures)
-        return np.int64(min(e for e in self.ends if e > n)), np.int32(fallback.MODEL)
+        _, chosen, length = fallback.verdict(got, int(n), self.ends,
+                                             "%d buckets" % len(self.firsts))
+        if chosen is None:
+            return np.int64(length), np.int32(fallback.MODEL)
+        self._settle(chosen)
+        return np.int64(length), np.int32(chosen)
 
     def _settle(self, chosen):
         """Every bucket's mode, now that the check kept ``chosen``: a retrace keeps it."""

@@ -120,17 +120,13 @@ class Checker:
             if self.size > 1:
                 got = self.broadcast(got, "twobit.fallback.checked.%d.%d"
                                      % (self.generation, len(steps)))
-            figures, done = [float(x) for x in got[:-1]], got[-1] > 0.5
-            where = "%d buckets" % len(self.first)
-            if not done:
-                fallback.log_longer(where, len(steps), figures)
+            figures, chosen, length = fallback.verdict(got, len(steps), self.ends,
+                                                       "%d buckets" % len(self.first))
+            if chosen is None:  # a block longer
                 with self._lock:
-                    self.steps = self.full[:min(e for e in self.ends if e > len(steps))]
+                    self.steps = self.full[:length]
                 return
-            self.figures = figures
-            chosen = fallback.choose(figures)
-            fallback.log_checked(where, len(steps), figures, chosen)
-            self.chosen = chosen
+            self.figures, self.chosen = figures, chosen
 
     def summaries(self):
         """The checks for the stats, this one's and its later checkers', once decided."""
