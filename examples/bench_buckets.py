@@ -124,6 +124,8 @@ def interleaved(steps_of, args, comps=None):
     for rnd in range(args.rounds):
         for m in order[rnd % len(order):] + order[:rnd % len(order)]:
             fn = steps_of[m]
+            for _ in range(getattr(args, "settle", 0)):  # untimed: the switch from the last
+                fn()
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 fn()
@@ -350,6 +352,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps", type=int, default=1, help="timed steps per method and round")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per method first")
+    ap.add_argument("--settle", type=int, default=0,
+                    help="untimed steps per method and round before its timed ones, so that "
+                         "they run after steps of their own, as in a job of one model")
     ap.add_argument("--instances", type=int, default=1,
                     help="build every method this many times and pool their steps")
     ap.add_argument("--batch", type=int, default=16)
@@ -386,10 +391,11 @@ def main(argv=None):
                 print("\n" + tf_profile.table(results, args.worker), flush=True)
         return
     print("machine: %s, %d cores, Python %s; %d ranks on localhost, %d thread(s) each; "
-          "median of %d rounds x %d steps per method (x %d instances), interleaved, after %d"
+          "median of %d rounds x %d steps per method (x %d instances), interleaved, after %d%s"
           % (platform.processor() or platform.machine(), os.cpu_count(),
              platform.python_version(), args.np, args.threads, args.rounds, args.steps,
-             args.instances, args.warmup), flush=True)
+             args.instances, args.warmup,
+             ", each round's after %d untimed" % args.settle if args.settle else ""), flush=True)
     bindir = os.path.dirname(sys.executable)
     # Horovod's response cache holds 1,024 names by default: a job of one model uses far fewer,
     # but every method and instance here has its own names (five methods of 3 instances on the

@@ -68,3 +68,21 @@ def test_bucket_bench_warms_a_fallback_until_its_check_decided():
     ran.update(dict.fromkeys(ran, 0))
     times, starts = bench_buckets.interleaved(steps_of, args, comps)
     assert [len(starts[m]) for m in ("none", "twobit_fallback", "auto_fallback")] == [10, 10, 2]
+
+
+def test_bucket_bench_settles_each_method_before_its_timed_steps():
+    """bench_buckets ``--settle K``: each round, a method runs K untimed steps of its own before
+    its timed ones, so no timed step follows another method's; the timed count is unchanged."""
+    import argparse
+    from examples import bench_buckets
+    log = []
+
+    def step(m):
+        def fn():
+            log.append(m)
+        return fn
+    steps_of = {m: step(m) for m in ("a", "b")}
+    args = argparse.Namespace(warmup=1, rounds=2, steps=2, settle=1)
+    times, _ = bench_buckets.interleaved(steps_of, args)
+    assert log == ["a", "b"] + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
+    assert all(len(t) == 4 for t in times.values())

@@ -133,6 +133,9 @@ def test_fallback_matches_reference(tmp_path_factory, framework, index):
         for r in ranks:
             starts = r["check_starts"].tolist()
             assert len(starts) == 1 and starts[0] >= 2, starts
+            # and the checked exchanges start after it, whatever their mode
+            after = r["mode_after_start"].tolist()
+            assert after and all(after), after
             if mode == "checked":  # its last step traced anew: the kept mode, no check made
                 assert int(r["retraced_check_ops"]) == 0 and int(r["checks_made"]) == 1
     if mode == "checked":  # the schedule ran, and rank 0's medians chose one mode for all

@@ -110,7 +110,30 @@ def run(spec):
     grads_of = {op.name for op in graph.get_operations() if "gradient_tape" in op.name}
     rec["check_starts"] = np.array([sum(d.name in grads_of for d in op.control_inputs)
                                     for op in starts], dtype=np.int64)
+    # and the mode every checked exchange takes is read after it (an exchange cannot start
+    # before the step's start is read, whatever its mode)
+    rec["mode_after_start"] = np.array([_after(ch.mode.op, ch.t0.op) for ch in c.state.checks],
+                                       dtype=bool)
     return rec
+
+
+def _after(op, start):
+    """Whether ``start`` is among ``op``'s inputs or control inputs, at any depth, as the step
+    runs: a cond is lowered to Switch and Merge there, where the branch not taken passes on
+    without its branch's inputs, so only a cond's condition counts."""
+    seen, todo = set(), [op]
+    while todo:
+        cur = todo.pop()
+        attr = cur.node_def.attr.get("_lower_using_switch_merge")  # set where lowered
+        lowered = cur.type in ("If", "StatelessIf") and attr is not None and attr.b
+        inputs = cur.inputs[:1] if lowered else cur.inputs
+        for dep in [t.op for t in inputs] + list(cur.control_inputs):
+            if dep is start:
+                return True
+            if dep.name not in seen:
+                seen.add(dep.name)
+                todo.append(dep)
+    return False
 
 
 run_each(args.out, args.configs, run, rank)

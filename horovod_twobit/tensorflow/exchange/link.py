@@ -125,8 +125,13 @@ class Check:
                                  lambda: (tf.identity(n), self.chosen.read_value()))
         scheduled = tf.gather(self.sched.read_value(),
                               tf.clip_by_value(self.step - 1, 0, self.max_steps - 1))
-        self.mode = tf.where(tf.equal(self.step, 0), fallback.MODEL,
-                             tf.where(self.step <= self.n, scheduled, chosen))
+        # the exchanges take their mode from here, so none starts before the step's start was
+        # read: else the executor may read it after some of one mode's work (the compressed
+        # encode, about 1 ms of a 52-tensor MLP's step), which that mode's figure then misses
+        # and the mode before it pays
+        with tf.control_dependencies([self.t0]):
+            self.mode = tf.where(tf.equal(self.step, 0), fallback.MODEL,
+                                 tf.where(self.step <= self.n, scheduled, chosen))
 
     def _decide(self):
         n = self.length.read_value()
