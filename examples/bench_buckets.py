@@ -36,8 +36,10 @@ Every method of a model is built first, then the methods take turns: ``--rounds`
 the machine's load during the run falls on every method alike rather than on whichever ran then.
 The default, 30 rounds of one step, pairs the methods most closely: on 2 shared cores, blocks of
 5 steps left fp16 (which does almost nothing here) anywhere between 0.81x and 1.19x of no
-compression, single steps within 0.98-1.03x. The figure is the median over all timed steps of the
-slower rank.
+compression, single steps within 0.98-1.03x. ``--settle K`` runs K untimed steps of a method
+before its timed ones in each round, so that no timed step follows another method's, as in a
+job of one model (6 timed steps after 2 untimed did not narrow the spread on 2 shared cores).
+The figure is the median over all timed steps of the slower rank.
 """
 
 import argparse
