@@ -575,18 +575,14 @@ def test_tf_plain_exchange_paths_on_one_rank():
     assert not bad, bad
 
 
-def test_tf_fallback_callback_retraces_keras_once_decided():
+def test_tf_fallback_callback_retraces_keras_once_decided(tmp_path):
     """TwoBitFallbackCallback: a 2-rank Keras fit whose check keeps plain, or compressed, traces
     its train function anew once the check decided, with no new check; the steps after it keep
     the mode kept; every loss and final weight is the same as without the callback, bit for
     bit, and the same on both ranks. A tape loop that wraps its step anew once
     ``state.all_settled()`` does so even where its first call traced twice."""
-    res = jobs.run(2, "tf_fit_settle.py", timeout=400)
-    got = {}
-    for line in res.output.splitlines():
-        if "RESULT " in line:
-            rank, text = line.split("RESULT ", 1)[1].split(" ", 1)
-            got[int(rank)] = json.loads(text)
+    res = jobs.run(2, "tf_fit_settle.py", tmp_path, timeout=400)
+    got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert sorted(got) == [0, 1], res.output[-2000:]
     for kept in ("plain", "compressed"):
         for r in (0, 1):
