@@ -41,7 +41,7 @@ class TwoBitFallbackCallback(tf.keras.callbacks.Callback):
     """With ``TwoBitCompressor(..., fallback="auto")``: once the checked decision is made (every
     check of the traced train function decided, the same batch on every rank), traces Keras'
     train function anew, once, so that the steps after it run the modes the check kept without
-    the check's ops (a step counter and one ``Case`` op per bucket, 1-6 % of a 52-tensor step
+    the check's ops (a step counter and one ``Case`` op per bucket, 3-10 % of a 52-tensor step
     on 2 CPU cores). The retrace costs about what the first step's trace did, once::
 
         model.fit(..., callbacks=[TwoBitFallbackCallback(compressor)])
