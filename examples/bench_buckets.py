@@ -214,8 +214,8 @@ def fallback_table(results):
     two noisy medians is biased low)."""
     lines = ["| model | method | over the faster | the faster | its copy over it |",
              "|---|---|---|---|---|"]
-    for (row, method), (t, _) in sorted(results.items()):
-        base = method.split("#")[0]
+    for (row, method), got in sorted(results.items(), key=lambda kv: kv[0]):
+        t, base = got[0], method.split("#")[0]  # (with --profile a value has more items)
         if not base.endswith("_fallback") or "#" in method:
             continue
         pair = [m for m in ("none", base[:-len("_fallback")]) if (row, m) in results]
