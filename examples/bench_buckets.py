@@ -189,6 +189,12 @@ def instances(args):
     return ["%s@%d" % (m, k) for m in methods for k in range(1, args.instances + 1)]
 
 
+def twin_of(method):
+    """The method a fallback method (``twobit_fallback/256K``) is checked against: the same
+    without the fallback (``twobit/256K``)."""
+    return method.replace("_fallback", "")
+
+
 def start_table(starts):
     """What the fallback's start (the link's measurement, the checked decision's schedule)
     costs: each fallback method's first steps beyond as many steady steps, less its twin's."""
@@ -197,7 +203,7 @@ def start_table(starts):
              "figures) |", "|---|---|---|---|---|---|"]
     for (row, method), got in sorted(starts.items()):
         n, extra = got[:2]
-        twin = starts.get((row, method.replace("_fallback", "")))
+        twin = starts.get((row, twin_of(method)))
         if "_fallback" not in method or twin is None:
             continue
         lines.append("| %s, %s | %s | %.2f | %.2f | %.2f | %s |"
@@ -215,10 +221,10 @@ def fallback_table(results):
     lines = ["| model | method | over the faster | the faster | its copy over it |",
              "|---|---|---|---|---|"]
     for (row, method), got in sorted(results.items(), key=lambda kv: kv[0]):
-        t, base = got[0], method.split("#")[0]  # (with --profile a value has more items)
-        if not base.endswith("_fallback") or "#" in method:
+        t = got[0]  # (with --profile a value has more items)
+        if "_fallback" not in method or "#" in method:
             continue
-        pair = [m for m in ("none", base[:-len("_fallback")]) if (row, m) in results]
+        pair = [m for m in ("none", twin_of(method)) if (row, m) in results]
         if len(pair) < 2:
             continue
         faster = min(pair, key=lambda m: results[(row, m)][0])
@@ -411,10 +417,9 @@ def main(argv=None):
         results, reads, starts, rank = (run_torch if args.worker == "torch" else run_tf)(args)
         if rank == 0:
             print(table(results, args.worker), flush=True)
-            if start_table(starts):
-                print("\n" + start_table(starts), flush=True)
-            if fallback_table(results):
-                print("\n" + fallback_table(results), flush=True)
+            for extra in (start_table(starts), fallback_table(results)):
+                if extra:
+                    print("\n" + extra, flush=True)
             if reads:
                 print("\n" + stats_cost.table(results, reads, args.worker), flush=True)
             if args.profile and args.worker == "tensorflow":

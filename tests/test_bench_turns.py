@@ -90,15 +90,18 @@ def test_bucket_bench_settles_each_method_before_its_timed_steps():
 
 def test_bucket_bench_sets_each_fallback_beside_a_copy_of_the_faster_method():
     """bench_buckets' fallback table: each fallback method's step over the faster of no
-    compression and its twin, and the copy (``#2``) of that faster method over it (a value
-    may carry more than the median and the tensors: ``--profile``'s)."""
+    compression and its twin (``twobit_fallback/256K``'s is ``twobit/256K``), and the copy
+    (``#2``) of that faster method over it (a value may carry more than the median and the
+    tensors: ``--profile``'s)."""
     from examples import bench_buckets
     r = {("mlp", "none"): (0.0097, 52), ("mlp", "twobit"): (0.0092, 52),
          ("mlp", "twobit_fallback"): (0.0101, 52), ("mlp", "auto"): (0.0103, 52),
          ("mlp", "auto_fallback"): (0.0115, 52, {}), ("mlp", "none#2"): (0.0103, 52),
          ("mlp", "twobit#2"): (0.0102, 52), ("cnn", "none"): (0.02, 53),
-         ("cnn", "twobit_fallback"): (0.019, 53)}
+         ("cnn", "twobit_fallback"): (0.019, 53), ("mlp", "twobit/256K"): (0.0090, 52),
+         ("mlp", "twobit_fallback/256K"): (0.0099, 52)}
     lines = bench_buckets.fallback_table(r).splitlines()
     assert lines[2:] == ["| mlp | auto_fallback | 1.19x | none | 1.06x (none#2) |",
-                         "| mlp | twobit_fallback | 1.10x | twobit | 1.11x (twobit#2) |"]
+                         "| mlp | twobit_fallback | 1.10x | twobit | 1.11x (twobit#2) |",
+                         "| mlp | twobit_fallback/256K | 1.10x | twobit/256K |  |"]
     assert bench_buckets.fallback_table({("mlp", "none"): (0.01, 52)}) == ""
