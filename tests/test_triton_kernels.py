@@ -130,3 +130,48 @@ def test_dispatch(setting, hide, want):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[-2] == want
+
+
+COMPILER = os.path.join(HERE, "workers", "triton_compile.py")
+
+
+@pytest.fixture(scope="module")
+def compiled_for_gpus():
+    """What Triton's NVIDIA back-end makes of every kernel specialization the interpreter cases
+    launch, for sm_90 (H100, H200) and sm_80 (A100), without a GPU: one row per (kernel,
+    specialization, architecture)."""
+    env = worker_env({"HOROVOD_TWOBIT_COMPILE": "0", "PYTHONWARNINGS": "ignore"})
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-O", COMPILER, "--arch", "90,80"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=HERE)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and rows, "rc %d:\n%s" % (proc.returncode, proc.stderr[-3000:])
+    return rows
+
+
+@needs_triton
+def test_kernels_compile_for_gpus(compiled_for_gpus):
+    """Every kernel the cases launch compiles for both architectures, with no FMA contraction,
+    no approximate float32 division (the finish's / divisor is div.rn.f32), no spilled
+    registers, and vector loads where a bucket's values come in whole words; the flagged-member
+    and bfloat16 finishes among them."""
+    rows = compiled_for_gpus
+    errors = [r for r in rows if "error" in r]
+    assert not errors, errors[0]["error"]
+    kernels = {(r["kernel"], r["arch"]) for r in rows}
+    for name in ("_encode_kernel", "_abs_sums_kernel", "_counts_kernel", "_auto_pack_kernel",
+                 "_decode_kernel"):
+        assert {(name, 90), (name, 80)} <= kernels, name
+    for r in rows:
+        what = "%s sm_%d %s" % (r["kernel"], r["arch"], r["constexprs"])
+        assert r["enable_fp_fusion"] is False, what
+        assert r["fma_f32"] == r["fma_f64"] == 0, what
+        assert r["div_approx_f32"] == r["rcp_approx"] == 0, what
+        assert r["spill_bytes"] == 0, what
+        if r["kernel"] == "_decode_kernel" and r["constexprs"].get("DIVIDE"):
+            assert r["div_rn_f32"] > 0, what
+    decodes = [r["constexprs"] for r in rows if r["kernel"] == "_decode_kernel"]
+    assert any(c.get("CHECK_BAD") for c in decodes) and any(c.get("BF16") for c in decodes)
+    whole = [r for r in rows if r["kernel"] == "_encode_kernel" and r["constexprs"]["BUCKET"]
+             and r["pointers"]["g_ptr"] == "*fp32"]
+    assert whole and all(r["ld_global_v4"] > 0 for r in whole)
