@@ -183,6 +183,31 @@ def scatter_case(sizes, threshold, nranks, steps=2, block=None, blocks=None, sca
         tsc.check_step(w, names, lay, want, outs, rs_, owners if auto else None, step)
 
 
+def at_least_case():
+    """The count pass's float32 test of |r + g| against a float64 candidate, ``x >=
+    _at_least(t)``, is ``float64(x) >= t`` for every x near t: t exactly a float32, rounded down
+    or up to nearest, below the smallest subnormal, past the largest float32, 0, Inf and NaN."""
+    compiled.triton_path(torch.device(DEVICE))  # the kernels' module, as the codec imports it
+    from triton_at_least import at_least_kernel
+
+    f32 = np.finfo(np.float32)
+    base = [0.0, 1.0, 0.75, 1e-3, 3.3, 123456.789, float(f32.max), float(f32.tiny),
+            float(f32.smallest_subnormal), 1e-46, 1e-50, 3.5e38, 1e300, INF, NAN]
+    ts = sorted({t * (1 + e) for t in base for e in (0.0, 2.0 ** -30, -2.0 ** -30, 2.0 ** -24,
+                                                     -2.0 ** -24)}, key=lambda t: (t != t, t))
+    ts = [t for t in ts if t != t or t >= 0] + [NAN]
+    n = 1 << (len(ts) - 1).bit_length()
+    t = torch.tensor(ts + [0.0] * (n - len(ts)), dtype=torch.float64, device=DEVICE)
+    out = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    at_least_kernel[(1,)](t, out, N=n)
+    for tv, up in zip(ts, out[:len(ts)].cpu().tolist()):
+        near = np.float32(tv) if tv == tv and tv < 3.4e38 else f32.max
+        xs = [np.float32(0.0), f32.smallest_subnormal, near, np.nextafter(near, np.float32(0)),
+              np.nextafter(near, np.float32(INF)), np.float32(INF), np.float32(up)]
+        for x in xs:
+            assert (x >= np.float32(up)) == (float(x) >= tv), (tv, float(x), up)
+
+
 NAN, INF = float("nan"), float("inf")
 FAULTS = ((0, 0, 2, NAN), (0, 1, 5, INF), (1, 2, 7, -INF), (1, 0, 3, NAN))
 # Under the interpreter a program costs milliseconds, an "auto" chunk three programs: the fast
@@ -218,7 +243,8 @@ CASES = {
                             for n, N, b, bs, op, sc in [(1, 1, None, None, "average", 1.0),
                                                         (100, 2, None, 1, "sum", 1.0),
                                                         (5003, 3, 16, 4, "average", 0.3),
-                                                        (9000, 2, 16, 8, "average", 1.0)]],
+                                                        (9000, 2, 16, 8, "average", 1.0),
+                                                        (20000, 2, None, 1, "average", 1.0)]],
     "auto_bucket": lambda: [allgather_case(BUCKET, "auto", N, block=b, blocks=bs)
                             for N, b, bs in [(3, 16, 4), (2, 1024, 0), (2, None, 1)]],
     # the rule's factor in the kernels; other rules: their levels from torch, then the kernels
@@ -226,6 +252,7 @@ CASES = {
                                           blocks=bs, steps=1)
                            for rule, bs in [("lsq*1.3", 4), ("opt", 4), ("mean", 1),
                                             ("rms*2", 4)]],
+    "at_least": at_least_case,
     "scatter": lambda: [scatter_case(BUCKET, t, N, block=b, blocks=bs, scale=sc)
                         for t, N, b, bs, sc in [(0.5, 2, None, None, 1.0), (0.5, 3, None, None, 0.7),
                                                 ("auto", 3, 256, 4, 0.7)]],
@@ -235,7 +262,7 @@ CASES = {
     "scatter_auto_defaults": lambda: scatter_case(BUCKET, "auto", 2, scale=0.5),
 }
 FAST = ["fixed_single", "fixed_bucket", "nonfinite", "half", "auto_single", "auto_bucket",
-        "auto_rules", "scatter"]
+        "auto_rules", "at_least", "scatter"]
 
 
 def main(argv):

@@ -114,7 +114,7 @@ class Compiler:
         consts = {k: v for k, v in consts.items() if sig.get(k) == "constexpr"}
         opts = {k: compile[k] for k in ("num_warps", "num_ctas", "num_stages", "enable_fp_fusion")}
         for target in self.targets:
-            row = {"kernel": fn.name, "arch": target.arch, "constexprs": consts,
+            row = {"kernel": fn.name, "module": jf.module, "arch": target.arch, "constexprs": consts,
                    "pointers": {k: v for k, v in sig.items() if v.startswith("*")},
                    "enable_fp_fusion": opts["enable_fp_fusion"], "num_warps": opts["num_warps"]}
             t0 = time.time()

@@ -59,6 +59,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_WORDS = int(os.environ.get("HOROVOD_TWOBIT_TRITON_BLOCK_WORDS", 256 if INTERPRET else 64))
 CHUNK = int(os.environ.get("HOROVOD_TWOBIT_TRITON_CHUNK", 16384 if INTERPRET else 8192))
 TILE_WORDS = 32
+COUNT_ROWS, COUNT_LANES = 4, 128  # the "auto" count pass's tiles: a lane a thread (4 warps)
+SUM_LANES = 32  # a segment's chunks summed this many at a time (the mean, the counts and sums)
 _KP = 16  # candidate slots (OPT_MULTIPLES padded to a power of two)
 _K = len(wire.OPT_MULTIPLES)
 assert _K <= _KP and CHUNK % (16 * TILE_WORDS) == 0 and BLOCK_WORDS & (BLOCK_WORDS - 1) == 0
@@ -68,6 +70,7 @@ _BUCKET_HEADER_WORDS = tl.constexpr(wire.BUCKET_HEADER_WORDS)
 _FLT_MIN = tl.constexpr(float(torch.finfo(torch.float32).tiny))
 _CODE_POS = tl.constexpr(wire.CODE_POS)
 _CODE_NEG = tl.constexpr(wire.CODE_NEG)
+_OPT_MULTIPLES = tl.constexpr(tuple(float(m) for m in wire.OPT_MULTIPLES))
 
 
 def _launch_options():
@@ -102,13 +105,29 @@ def _flag_words(head_ptr, w, bad, mow_ptr, BUCKET: tl.constexpr):
 
 
 @triton.jit
-def _rounded(y, mult_ptr, HAS_FACTOR: tl.constexpr):
-    """float32 of a float64 level (times the rule's factor first, a float64 kept after the
-    multiples), never below the smallest normal float32 (NaN stays NaN): :func:`.levels._rounded`."""
+def _rounded_by(y, factor, HAS_FACTOR: tl.constexpr):
+    """float32 of a float64 level (times the rule's float64 ``factor`` first), never below the
+    smallest normal float32 (NaN stays NaN): :func:`.levels._rounded`."""
     if HAS_FACTOR:
-        y = y * tl.load(mult_ptr + 15)
+        y = y * factor
     y = y.to(tl.float32)
     return tl.where(y < _FLT_MIN, _FLT_MIN, y)
+
+
+@triton.jit
+def _rounded(y, mult_ptr, HAS_FACTOR: tl.constexpr):
+    """:func:`_rounded_by` with the factor kept after the multiples (slot 15)."""
+    return _rounded_by(y, tl.load(mult_ptr + 15), HAS_FACTOR)
+
+
+@triton.jit
+def _at_least(t):
+    """The smallest float32 at or above float64 ``t >= 0`` (or NaN), so that for any float32
+    x, ``x >= _at_least(t)`` is ``x >= t`` (+Inf where no finite float32 reaches ``t``; the
+    smallest subnormal for 0 < t below it)."""
+    n = t.to(tl.float32)  # nearest
+    up = (n.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)  # the next above n >= 0
+    return tl.where(n.to(tl.float64) < t, up, n)
 
 
 @triton.jit
@@ -122,13 +141,14 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _segment_mean(part_ptr, first, count, nseg):
-    """The float64 mean of |r + g| over a segment: its chunks' sums, in chunk order, / its
-    length."""
-    s = tl.load(part_ptr + first)
-    for j in range(1, count):
-        s += tl.load(part_ptr + first + j)
-    return s / nseg
+def _segment_mean(part_ptr, first, count, nseg, P: tl.constexpr):
+    """The float64 mean of |r + g| over a segment: its chunks' sums, ``P`` at a time (lane j
+    adds chunks j, j + P, ... in order, then the lanes are summed), / its length."""
+    j = tl.arange(0, P)
+    acc = tl.zeros([P], dtype=tl.float64)
+    for off in range(0, count, P):
+        acc += tl.load(part_ptr + first + off + j, mask=off + j < count, other=0.0)
+    return tl.sum(acc, axis=0) / nseg
 
 
 # ----------------------------------------------------------------- kernels
@@ -169,71 +189,74 @@ def _abs_sums_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, TW: tl.constexpr):
 
 
 @triton.jit
-def _candidates(ch_ptr, part_ptr, mult_ptr, c):
-    """(first chunk, chunk count, segment length, candidate thresholds as float64 [16]) of chunk
-    ``c``'s segment: OPT_MULTIPLES times the segment's mean."""
+def _counts_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr,
+                   stash_ptr, head_ptr, mow_ptr, K: tl.constexpr, HAS_FACTOR: tl.constexpr,
+                   BUCKET: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
+                   P: tl.constexpr):
+    """Pass 2 of "auto": per chunk, the count and float64 sum of |r + g| at or above each
+    candidate (OPT_MULTIPLES times the segment's mean), one byte per value (how many rounded
+    candidates |r + g| reaches, plus 16 where r + g > 0), and the NaN/Inf flags. A tile is
+    (ROWS, LANES) values, a lane's column in one thread: each candidate's count and sum over a
+    column go into that candidate's row of a (16, LANES) accumulator, within the thread (no
+    shuffle, no barrier); the lanes are summed once, at the end of the chunk."""
+    c = tl.program_id(0)
+    start = tl.load(ch_ptr + c * 5)
+    length = tl.load(ch_ptr + c * 5 + 1)
     first = tl.load(ch_ptr + c * 5 + 2)
     count = tl.load(ch_ptr + c * 5 + 3)
     nseg = tl.load(ch_ptr + c * 5 + 4)
-    mean = _segment_mean(part_ptr, first, count, nseg.to(tl.float64))
-    return first, count, nseg, mean * tl.load(mult_ptr + tl.arange(0, 16))
-
-
-@triton.jit
-def _counts_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr,
-                   stash_ptr, head_ptr, mow_ptr, K: tl.constexpr, HAS_FACTOR: tl.constexpr,
-                   BUCKET: tl.constexpr, TW: tl.constexpr):
-    """Pass 2 of "auto": per chunk, the count and float64 sum of |r + g| at or above each
-    candidate, one byte per value (how many rounded candidates |r + g| reaches, plus 16 where
-    r + g > 0), and the words' NaN/Inf flags."""
-    c = tl.program_id(0)
-    start = tl.load(ch_ptr + c * 5)
-    length = tl.load(ch_ptr + c * 5 + 1)
-    _, _, _, ts = _candidates(ch_ptr, part_ptr, mult_ptr, c)
-    t32 = _rounded(ts, mult_ptr, HAS_FACTOR)
-    k = tl.arange(0, 16)
-    cnt = tl.zeros([16], dtype=tl.int64)
-    tot = tl.zeros([16], dtype=tl.float64)
-    for off in range(0, length, 16 * TW):  # only the chunk's own tiles
-        i = off + tl.arange(0, TW)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    mean = _segment_mean(part_ptr, first, count, nseg.to(tl.float64), P)
+    factor = tl.load(mult_ptr + 15)
+    cand = tl.arange(0, 16)[:, None]
+    cacc = tl.zeros([16, LANES], dtype=tl.int32)
+    tacc = tl.zeros([16, LANES], dtype=tl.float64)
+    for off in range(0, length, ROWS * LANES):  # only the chunk's own tiles
+        i = off + tl.arange(0, ROWS)[:, None] * LANES + tl.arange(0, LANES)[None, :]
         m = i < length
         x = tl.load(r_ptr + start + i, mask=m, other=0.0) + \
             tl.load(g_ptr + start + i, mask=m, other=0.0).to(tl.float32)
-        ax = tl.abs(x)
+        ax = tl.where(m, tl.abs(x), -1.0)  # past the chunk: below every candidate
         a = ax.to(tl.float64)
-        reached = tl.zeros([TW, 16], dtype=tl.int32)
+        reached = tl.zeros([ROWS, LANES], dtype=tl.int32)
         for j in tl.static_range(K):
-            tj = tl.sum(tl.where(k == j, ts, 0.0))
-            hit = (a >= tj) & m
-            cnt += tl.where(k == j, tl.sum(tl.sum(hit.to(tl.int64), axis=1), axis=0), 0)
-            tot += tl.where(k == j, tl.sum(tl.sum(tl.where(hit, a, 0.0), axis=1), axis=0), 0.0)
-            reached += (ax >= tl.sum(tl.where(k == j, t32, 0.0))).to(tl.int32)
+            tj = mean * _OPT_MULTIPLES[j]  # the thresholds: of the mean alone, out of the loop
+            hit = ax >= _at_least(tj)  # |r + g| >= tj, in float32
+            cacc += tl.where(cand == j, tl.sum(hit.to(tl.int32), axis=0)[None, :], 0)
+            tacc += tl.where(cand == j, tl.sum(tl.where(hit, a, 0.0), axis=0)[None, :], 0.0)
+            reached += (ax >= _rounded_by(tj, factor, HAS_FACTOR)).to(tl.int32)
         byte = tl.where(m, reached + tl.where(x > 0, 16, 0), 0)
         tl.store(stash_ptr + start + i, byte.to(tl.uint8), mask=m)
-        w = (start + off) // 16 + tl.arange(0, TW)
-        bad = (tl.max(((x - x) != 0).to(tl.int32), axis=1) > 0)
-        _flag_words(head_ptr, w, bad, mow_ptr, BUCKET)
-    tl.store(cnt_ptr + c * 16 + k, cnt)
-    tl.store(tot_ptr + c * 16 + k, tot)
+        _flag_words(head_ptr, (start + i) // 16, ((x - x) != 0) & m, mow_ptr, BUCKET)
+    k = tl.arange(0, 16)
+    tl.store(cnt_ptr + c * 16 + k, tl.sum(cacc, axis=1).to(tl.int64))
+    tl.store(tot_ptr + c * 16 + k, tl.sum(tacc, axis=1))
 
 
 @triton.jit
-def _auto_pack_kernel(ch_ptr, seg_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr, stash_ptr,
-                      words_ptr, head_ptr, mag_off, tw_ptr, vw_ptr, ts_ptr, vs_ptr,
-                      K: tl.constexpr, HAS_FACTOR: tl.constexpr, TW: tl.constexpr):
-    """Pass 3 of "auto": per chunk, its segment's levels (the lsq choice from every chunk's counts
-    and sums, in chunk order) and the packed words from pass 2's bytes. The segment's first chunk
-    writes the magnitude into the payload and the levels of the segment."""
-    c = tl.program_id(0)
-    start = tl.load(ch_ptr + c * 5)
-    length = tl.load(ch_ptr + c * 5 + 1)
-    first, count, nseg, ts = _candidates(ch_ptr, part_ptr, mult_ptr, c)
+def _levels_kernel(seg_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr, head_ptr, mag_off, ts_ptr,
+                   vs_ptr, best_ptr, K: tl.constexpr, HAS_FACTOR: tl.constexpr,
+                   P: tl.constexpr):
+    """Pass 3 of "auto", one program per segment: its levels, the lsq choice from its chunks'
+    counts and sums (P chunks at a time, as :func:`_segment_mean` adds), rounded as
+    :func:`.levels._rounded`; writes the magnitude into the payload, and the segment's
+    thresholds, magnitudes and chosen candidate for the packing pass."""
+    s = tl.program_id(0)
+    first = tl.load(seg_ptr + s * 3)
+    count = tl.load(seg_ptr + s * 3 + 1)
+    nseg = tl.load(seg_ptr + s * 3 + 2)
+    ts = _segment_mean(part_ptr, first, count, nseg.to(tl.float64), P) * \
+        tl.load(mult_ptr + tl.arange(0, 16))
     k = tl.arange(0, 16)
-    cnt = tl.load(cnt_ptr + first * 16 + k)
-    tot = tl.load(tot_ptr + first * 16 + k)
-    for j in range(1, count):
-        cnt += tl.load(cnt_ptr + (first + j) * 16 + k)
-        tot += tl.load(tot_ptr + (first + j) * 16 + k)
+    rows = tl.arange(0, P)[:, None]
+    cacc = tl.zeros([P, 16], dtype=tl.int64)
+    tacc = tl.zeros([P, 16], dtype=tl.float64)
+    for off in range(0, count, P):
+        at = (first + off + rows) * 16 + k[None, :]
+        mrow = (off + rows < count) & (k[None, :] < 16)
+        cacc += tl.load(cnt_ptr + at, mask=mrow, other=0)
+        tacc += tl.load(tot_ptr + at, mask=mrow, other=0.0)
+    cnt = tl.sum(cacc, axis=0)
+    tot = tl.sum(tacc, axis=0)
     has = cnt > 0
     cf = tl.where(has, cnt, 1).to(tl.float64)
     score = tl.where(has, tot * tot / cf, 0.0)
@@ -246,11 +269,25 @@ def _auto_pack_kernel(ch_ptr, seg_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr, sta
     v64 = tl.where(cb > 0, tb / tl.where(cb > 0, cb, 1).to(tl.float64), t64)
     t32 = tl.where(nseg > 0, _rounded(t64, mult_ptr, HAS_FACTOR), 1.0)  # no values: 1.0
     v32 = tl.where(nseg > 0, _rounded(v64, mult_ptr, HAS_FACTOR), 1.0)
+    tl.store(head_ptr + mag_off + s, v32.to(tl.int32, bitcast=True))
+    tl.store(ts_ptr + s, t32)
+    tl.store(vs_ptr + s, v32)
+    tl.store(best_ptr + s, best.to(tl.int32))
+
+
+@triton.jit
+def _auto_pack_kernel(ch_ptr, seg_ptr, stash_ptr, words_ptr, ts_ptr, vs_ptr, best_ptr, tw_ptr,
+                      vw_ptr, TW: tl.constexpr):
+    """Pass 4 of "auto": per chunk, the packed words from pass 2's bytes with its segment's
+    chosen candidate (a value is sent exactly when it reaches more rounded candidates than the
+    chosen one's index), and the segment's levels for each of its words."""
+    c = tl.program_id(0)
+    start = tl.load(ch_ptr + c * 5)
+    length = tl.load(ch_ptr + c * 5 + 1)
     seg = tl.load(seg_ptr + c)
-    if c == first:
-        tl.store(head_ptr + mag_off + seg, v32.to(tl.int32, bitcast=True))
-        tl.store(ts_ptr + seg, t32)
-        tl.store(vs_ptr + seg, v32)
+    best = tl.load(best_ptr + seg)
+    t32 = tl.load(ts_ptr + seg)
+    v32 = tl.load(vs_ptr + seg)
     nw = (length + 15) // 16
     for off in range(0, nw, TW):
         wl = off + tl.arange(0, TW)
@@ -347,7 +384,7 @@ class _Tables:
         self.heads = {}
         self.head_pad = [0] * (layout.head_words - len(head))
         if layout.auto:
-            sow, rows, seg = [], [], []
+            sow, rows, seg, segs = [], [], [], []
             for k, (s, n, w) in enumerate(zip(layout.seg_starts, layout.seg_lengths, layout.seg_words)):
                 sow += [k] * w
                 first = len(rows)
@@ -355,9 +392,11 @@ class _Tables:
                 for a, length in pieces:
                     rows.append([s + a, length, first, len(pieces), n])
                     seg.append(k)
+                segs.append([first, len(pieces), n])
             self.seg_of_word = ints(sow or [0])
-            self.chunks = ints(rows, torch.int64)
+            self.chunks = ints(rows, torch.int64)  # per chunk: start, length, first, count, n
             self.chunk_seg = ints(seg)
+            self.segs = ints(segs, torch.int64)  # per segment: first chunk, chunks, values
             self.nchunks = len(rows)
             self.mults = {}
             self.mag_off = layout.head_words if layout.mag_words else 4
@@ -455,15 +494,18 @@ def encode_payload(layout, on, r, g, threshold, rule, payload, segment_levels):
     vw = torch.empty_like(tw)
     ts = torch.empty(layout.segments, dtype=torch.float32, device=dev)
     vs = torch.empty_like(ts)
+    best = torch.empty(layout.segments, dtype=torch.int32, device=dev)
     opts = _launch_options()
-    common = dict(TW=TILE_WORDS, **opts)
-    _abs_sums_kernel[(nc,)](r, g, tab.chunks, part, **common)
-    _counts_kernel[(nc,)](r, g, tab.chunks, part, _mult(tab, k), cnt, tot, stash, payload,
+    mult = _mult(tab, k)
+    _abs_sums_kernel[(nc,)](r, g, tab.chunks, part, TW=TILE_WORDS, **opts)
+    _counts_kernel[(nc,)](r, g, tab.chunks, part, mult, cnt, tot, stash, payload,
                           mow if mow is not None else tab.chunks, K=_K, HAS_FACTOR=bool(k),
-                          BUCKET=mow is not None, **common)
-    _auto_pack_kernel[(nc,)](tab.chunks, tab.chunk_seg, part, _mult(tab, k), cnt, tot, stash,
-                             body, payload, tab.mag_off, tw, vw, ts, vs, K=_K,
-                             HAS_FACTOR=bool(k), **common)
+                          BUCKET=mow is not None, ROWS=COUNT_ROWS, LANES=COUNT_LANES,
+                          P=SUM_LANES, **opts)
+    _levels_kernel[(layout.segments,)](tab.segs, part, mult, cnt, tot, payload, tab.mag_off, ts,
+                                       vs, best, K=_K, HAS_FACTOR=bool(k), P=SUM_LANES, **opts)
+    _auto_pack_kernel[(nc,)](tab.chunks, tab.chunk_seg, stash, body, ts, vs, best, tw, vw,
+                             TW=TILE_WORDS, **opts)
     if layout.segments == 1:
         return ts[0], vs[0]
     return tw[:words], vw[:words]
