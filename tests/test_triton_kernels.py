@@ -153,8 +153,9 @@ def compiled_for_gpus():
 def test_kernels_compile_for_gpus(compiled_for_gpus):
     """Every kernel the cases launch compiles for both architectures, with no FMA contraction,
     no approximate float32 division (the finish's / divisor is div.rn.f32), no spilled
-    registers, and vector loads where a bucket's values come in whole words; the flagged-member
-    and bfloat16 finishes among them."""
+    registers, no barrier inside a loop (the "auto" count pass had 56 a tile), and vector loads
+    where a bucket's values come in whole words; the flagged-member and bfloat16 finishes among
+    them."""
     errors = [r for r in compiled_for_gpus if "error" in r]
     assert not errors, errors[0]["error"]
     rows = [r for r in compiled_for_gpus if r["module"] == "horovod_twobit.torch.codec.triton_kernels"]
@@ -170,6 +171,8 @@ def test_kernels_compile_for_gpus(compiled_for_gpus):
         assert r["spill_bytes"] == 0, what
         if r["kernel"] == "_decode_kernel" and r["constexprs"].get("DIVIDE"):
             assert r["div_rn_f32"] > 0, what
+        if r["kernel"] != "_auto_pack_kernel":  # (its words' store crosses threads)
+            assert r["loop_bar_sync"] == 0, what  # no block-wide reduction inside a loop
     decodes = [r["constexprs"] for r in rows if r["kernel"] == "_decode_kernel"]
     assert any(c.get("CHECK_BAD") for c in decodes) and any(c.get("BF16") for c in decodes)
     whole = [r for r in rows if r["kernel"] == "_encode_kernel" and r["constexprs"]["BUCKET"]

@@ -2,7 +2,8 @@
 compiler makes of them, where the interpreter (tests/workers/triton_codec.py) runs NumPy's
 arithmetic instead.
 
-``python -O triton_compile.py [--arch 90,80] [CASE...]`` (``-O``: the cases' own asserts off) drives the interpreter test's cases
+``python -O triton_compile.py [--arch 90,80] [--table] [CASE...]`` (``-O``: the cases' own asserts
+off; ``--table``: one markdown table instead of the rows) drives the interpreter test's cases
 (``triton_codec.CASES``; default: its fast ones) through the codec's own entry points with the
 Triton path forced and ``TRITON_INTERPRET`` unset. A stand-in for Triton's driver names the
 targets; each kernel specialization the cases launch is compiled by Triton's real NVIDIA
@@ -13,7 +14,8 @@ test's and, on a GPU, ``test_cuda_kernels_match_reference``'s).
 It prints one JSON line per (kernel, specialization, target): the kernel, the architecture, its
 constexprs, the dtypes of its pointers, registers, spilled bytes (``ptxas``' local memory), shared
 memory, and the PTX's counts of the instructions that decide its bits and its speed: FMAs,
-float32 and float64 divisions by kind, vector loads, barriers. A line ``{"error": ...}`` where a
+float32 and float64 divisions by kind, vector loads, barriers (in all, and the most in one
+pass of a loop). A line ``{"error": ...}`` where a
 case or a compilation failed.
 """
 
@@ -79,6 +81,22 @@ class _Driver:
         return torch.device("cpu")
 
 
+def loop_barriers(ptx):
+    """The most barriers in one pass of any loop of the PTX: those between a loop's header
+    label and the last branch back to it."""
+    lines = ptx.splitlines()
+    most = 0
+    for i, line in enumerate(lines):
+        if "Loop Header" in line and ":" in line:
+            label = line.split(":")[0].strip()
+            back = [j for j in range(i + 1, len(lines))
+                    if re.search(r"\bbra(\.uni)?\s+%s;" % re.escape(label), lines[j])]
+            if back:
+                most = max(most, sum(bool(re.search(COUNTED["bar_sync"], x))
+                                     for x in lines[i:back[-1]]))
+    return most
+
+
 def _resources(cubin, tool):
     """{"regs", "spill_bytes", "shared_bytes"} of a cubin, from cuobjdump's resource usage."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -128,6 +146,7 @@ class Compiler:
             row["seconds"] = round(time.time() - t0, 2)
             ptx = k.asm["ptx"]
             row.update({name: len(re.findall(pat, ptx)) for name, pat in COUNTED.items()})
+            row["loop_bar_sync"] = loop_barriers(ptx)
             row.update(_resources(k.asm["cubin"], self.cuobjdump))
             self.emit(row)
         return True  # compiled: not launched
@@ -137,10 +156,34 @@ class Compiler:
         print(json.dumps(row), flush=True)
 
 
+def table(rows):
+    """Markdown: per kernel and architecture, the range over its specializations of what the
+    compiler made of it."""
+    groups = {}
+    for r in rows:
+        if "error" not in r and r.get("module", "").endswith("triton_kernels"):
+            groups.setdefault((r["kernel"], r["arch"]), []).append(r)
+    cols = [("regs", "registers"), ("spill_bytes", "spilled bytes"), ("bar_sync", "barriers"),
+            ("loop_bar_sync", "barriers a loop pass"),
+            ("ld_global_v4", "vector loads"), ("div_rn_f32", "div.rn.f32"),
+            ("div_approx_f32", "approx. div"), ("fma_f32", "FMA")]
+    out = ["| kernel | sm | specializations | " + " | ".join(c for _, c in cols) + " |",
+           "|---|---|---:|" + "---:|" * len(cols)]
+    for (name, arch), rs in sorted(groups.items()):
+        cells = []
+        for key, _ in cols:
+            lo, hi = min(r[key] for r in rs), max(r[key] for r in rs)
+            cells.append("%d" % lo if lo == hi else "%d-%d" % (lo, hi))
+        out.append("| `%s` | %d | %d | %s |" % (name, arch, len(rs), " | ".join(cells)))
+    return "\n".join(out)
+
+
 def main(argv):
     if __debug__:
         sys.exit("run with python -O: the cases' asserts of results are off here")
     archs = [90, 80]
+    as_table = "--table" in argv
+    argv = [a for a in argv if a != "--table"]
     if argv[:1] == ["--arch"]:
         archs, argv = [int(a) for a in argv[1].split(",")], argv[2:]
     import triton_codec
@@ -161,11 +204,15 @@ def main(argv):
             finish(layout, on, gathered, nranks, [True] + list(bad[1:]), *args, **kwargs)
         return finish(layout, on, gathered, nranks, bad, *args, **kwargs)
     tk.finish_payload = finish_both
+    if as_table:
+        compiler.emit = compiler.rows.append
     for name in names:
         try:
             triton_codec.CASES[name]()
         except Exception:
             print(json.dumps({"case": name, "error": traceback.format_exc()[-3000:]}), flush=True)
+    if as_table:
+        print(table(compiler.rows))
     return 0
 
 
