@@ -185,6 +185,42 @@ def test_mismatched_buckets_raise_the_same_error_on_every_rank():
                                  0.5, 0.5, 2, 1.0)
 
 
+@pytest.mark.parametrize("sizes", [[40, 17], [300]])
+def test_headers_checked_again_when_they_change(sizes):
+    """The finish takes a previous step's header check again only for the same header words: a
+    rank whose header changes (another threshold) is refused after good steps, a NaN step is
+    flagged, and the good steps after both finish as before, bit for bit."""
+    lay = Layout(sizes, False)
+    names = ["t%d" % i for i in range(lay.members)]
+    g = torch.linspace(-1, 1, lay.values)
+
+    def payload(threshold, grad=g):
+        p = torch.empty(lay.payload_words, dtype=torch.int32)
+        codec.encode_payload(lay, torch.zeros(lay.values), grad, threshold, "lsq", p)
+        return p
+
+    def finish(gathered):
+        r = torch.zeros(lay.values)
+        out, bad = codec.finish_payload(lay, gathered, 2, names, r, g.clone(), 0.5, 0.5, 2, 1.0)
+        return out, bad, r
+
+    good = torch.cat([payload(0.5), payload(0.5)])
+    first = finish(good)
+    assert not first[1]
+    for _ in range(2):
+        with pytest.raises(wire.PayloadMismatchError, match="different thresholds"):
+            finish(torch.cat([payload(0.5), payload(0.25)]))
+        nan = g.clone()
+        nan[3] = float("nan")
+        out, bad, _ = finish(torch.cat([payload(0.5, nan), payload(0.5)]))
+        assert bad and torch.isnan(out[:sizes[0]]).all()
+        again = finish(good)
+        assert not again[1]
+        for a, b in zip(first, again):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def test_assign_buckets_is_fixed_by_order_and_size():
     entries = [("a", 10, 40, "cpu"), ("b", 10, 40, "cpu"), ("big", 1000, 4000, "cpu"),
                ("c", 10, 40, "cpu"), ("d", 10, 40, "cpu"), ("e", 10, 40, "cuda"),

@@ -196,7 +196,27 @@ def check_plans(layout, gathered, nranks, names):
 
 def _rows(layout, gathered, nranks, names):
     """(headers, [int32 payload row per rank], bad member flags per rank) of a gathered buffer,
-    or PayloadMismatchError with the same message on every rank."""
+    or PayloadMismatchError with the same message on every rank. Header words the same as a
+    step's before, which held no NaN or Inf, were checked then: their parse is taken again
+    (the check is a function of those words alone; 16-53 us a call on 2 to 8 ranks)."""
+    stride = layout.payload_words
+    if gathered.numel() != nranks * stride:
+        return _checked_rows(layout, gathered, nranks, names)
+    rows = gathered.view(nranks, stride)
+    heads = rows[:, :wire.HEADER_WORDS if layout.single else layout.head_words].tolist()
+    checked = layout.__dict__.setdefault("_checked_heads", {})
+    key = (nranks, tuple(names))
+    seen = checked.get(key)
+    if seen is not None and seen[0] == heads:
+        return seen[1], rows, seen[2]  # (rows: iterated by rank where used)
+    headers, out_rows, flags = _checked_rows(layout, gathered, nranks, names)
+    if not any(any(f) for f in flags):
+        checked[key] = (heads, headers, flags)
+    return headers, out_rows, flags
+
+
+def _checked_rows(layout, gathered, nranks, names):
+    """:func:`_rows`, every header parsed and checked."""
     if layout.single:
         parts = split_single(gathered, layout.numels[0], nranks, names[0], layout.blocks[0])
         rows = gathered.view(nranks, layout.payload_words)
