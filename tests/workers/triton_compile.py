@@ -3,7 +3,8 @@ compiler makes of them, where the interpreter (tests/workers/triton_codec.py) ru
 arithmetic instead.
 
 ``python -O triton_compile.py [--arch 90,80] [--table] [CASE...]`` (``-O``: the cases' own asserts
-off; ``--table``: one markdown table instead of the rows) drives the interpreter test's cases
+off; ``--table``: one markdown table instead of the rows; ``--host-cost``: instead, what the
+codec's calls cost the host, launches stopped at the driver) drives the interpreter test's cases
 (``triton_codec.CASES``; default: its fast ones) through the codec's own entry points with the
 Triton path forced and ``TRITON_INTERPRET`` unset. A stand-in for Triton's driver names the
 targets; each kernel specialization the cases launch is compiled by Triton's real NVIDIA
@@ -178,6 +179,62 @@ def table(rows):
     return "\n".join(out)
 
 
+class _NoLaunch:
+    """A compiled kernel that launches nothing (the host's side of a launch, timed alone)."""
+    function = packed_metadata = None
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, *args):
+        pass
+
+
+def host_cost(calls=500):
+    """Markdown: what the codec's calls cost the host on Triton's path, each kernel launch
+    stopped where Triton hands it to the driver (which adds a few us a launch on a GPU): the
+    Python of the codec and of Triton's dispatch, the header copies, the payload checks."""
+    import torch
+    from triton.runtime import jit
+    from horovod_twobit import wire
+    from horovod_twobit.torch import codec
+    from horovod_twobit.wire.layout import Layout
+
+    def no_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+        kernel = self.device_caches[device][0][key] = _NoLaunch()
+        return kernel
+    jit.JITFunction._do_compile = no_compile
+    out = ["| tensors | threshold | encode (us) | finish, 2 ranks (us) | finish, 8 ranks (us) |",
+           "|---|---|---:|---:|---:|"]
+    for label, sizes in (("1 M values alone", [1 << 20]),
+                         ("a 4 MiB bucket of 64 tensors", [16384] * 64)):
+        for threshold in (0.5, "auto"):
+            lay = Layout(sizes, threshold == "auto", *wire.validate_blocks(threshold))
+            names = ["t%d" % i for i in range(lay.members)]
+            r, g = torch.zeros(lay.values), torch.randn(lay.values)
+            p = torch.zeros(lay.payload_words, dtype=torch.int32)
+
+            def timed(fn):  # the best of 5 batches' mean: the host's own cost, not its noise
+                for _ in range(10):
+                    fn()
+                best = float("inf")
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    for _ in range(calls // 5):
+                        fn()
+                    best = min(best, (time.perf_counter() - t0) / (calls // 5) * 1e6)
+                return best
+            enc = timed(lambda: codec.encode_payload(lay, r, g, threshold, "lsq", p))
+            t, v = codec.encode_payload(lay, r, g, threshold, "lsq", p)
+            fin = []
+            for n in (2, 8):
+                gathered = p.repeat(n)
+                fin.append(timed(lambda: codec.finish_payload(lay, gathered, n, names, r, g, t, v,
+                                                              n, 1.0)))
+            out.append("| %s | %s | %.0f | %.0f | %.0f |" % (label, threshold, enc, *fin))
+    return "\n".join(out)
+
+
 def main(argv):
     if __debug__:
         sys.exit("run with python -O: the cases' asserts of results are off here")
@@ -186,6 +243,10 @@ def main(argv):
     argv = [a for a in argv if a != "--table"]
     if argv[:1] == ["--arch"]:
         archs, argv = [int(a) for a in argv[1].split(",")], argv[2:]
+    if "--host-cost" in argv:
+        driver.set_active(_Driver(GPUTarget("cuda", archs[0], 32)))
+        print(host_cost())
+        return 0
     import triton_codec
     names = argv or triton_codec.FAST
     compiler = Compiler(archs)

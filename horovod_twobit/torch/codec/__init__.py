@@ -244,6 +244,13 @@ def _checked_rows(layout, gathered, nranks, names):
     raise wire.PayloadMismatchError("bucket of %s: ranks sent incompatible payloads" % names[0])
 
 
+def _any_rank(layout, flags):
+    """Each member's NaN/Inf flag over every rank's ``flags``."""
+    if not any(map(any, flags)):
+        return [False] * layout.members
+    return [any(column) for column in zip(*flags)]
+
+
 def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, out=None):
     """After the collective: checks every rank's payload, then in one pass commits this rank's
     error feedback (r <- r + g - q, with the (t, v) :func:`encode_payload` returned) and writes the
@@ -254,7 +261,7 @@ def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, 
     dest = g if out is None else out
     tk = compiled.triton_path(g.device)
     if tk is not None:
-        bad = [any(b[i] for b in bad) for i in range(layout.members)]
+        bad = _any_rank(layout, bad)
         tk.finish_payload(layout, _on(layout, g.device), gathered, nranks, bad, r, g, t, v,
                           divisor, scale, out)
         return dest, any(bad)
@@ -265,7 +272,7 @@ def finish_payload(layout, gathered, nranks, names, r, g, t, v, divisor, scale, 
               if layout.mag_words else row[4].view(torch.float32) for row in rows]
     else:
         ts = [h.threshold for h in headers]
-    bad = [any(b[i] for b in bad) for i in range(layout.members)]
+    bad = _any_rank(layout, bad)
     if not any(bad):
         decode_kernels.finish(words, ts, r, g, t, divisor, scale, out=out, magnitude=v)
         return dest, False
