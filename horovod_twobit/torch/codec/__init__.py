@@ -210,7 +210,7 @@ def _rows(layout, gathered, nranks, names):
     if seen is not None and seen[0] == heads:
         return seen[1], rows, seen[2]  # (rows: iterated by rank where used)
     headers, out_rows, flags = _checked_rows(layout, gathered, nranks, names)
-    if not any(any(f) for f in flags):
+    if not any(map(any, flags)):
         checked[key] = (heads, headers, flags)
     return headers, out_rows, flags
 

@@ -116,18 +116,13 @@ def _flag_words(head_ptr, w, bad, mow_ptr, BUCKET: tl.constexpr):
 
 @triton.jit
 def _rounded_by(y, factor, HAS_FACTOR: tl.constexpr):
-    """float32 of a float64 level (times the rule's float64 ``factor`` first), never below the
-    smallest normal float32 (NaN stays NaN): :func:`.levels._rounded`."""
+    """float32 of a float64 level (times the rule's float64 ``factor`` first, kept after the
+    multiples in slot 15 of :func:`_mult`'s table), never below the smallest normal float32
+    (NaN stays NaN): :func:`.levels._rounded`."""
     if HAS_FACTOR:
         y = y * factor
     y = y.to(tl.float32)
     return tl.where(y < _FLT_MIN, _FLT_MIN, y)
-
-
-@triton.jit
-def _rounded(y, mult_ptr, HAS_FACTOR: tl.constexpr):
-    """:func:`_rounded_by` with the factor kept after the multiples (slot 15)."""
-    return _rounded_by(y, tl.load(mult_ptr + 15), HAS_FACTOR)
 
 
 @triton.jit
@@ -261,10 +256,9 @@ def _levels_kernel(seg_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr, head_ptr, mag_
     cacc = tl.zeros([P, 16], dtype=tl.int64)
     tacc = tl.zeros([P, 16], dtype=tl.float64)
     for off in range(0, count, P):
-        at = (first + off + rows) * 16 + k[None, :]
-        mrow = (off + rows < count) & (k[None, :] < 16)
-        cacc += tl.load(cnt_ptr + at, mask=mrow, other=0)
-        tacc += tl.load(tot_ptr + at, mask=mrow, other=0.0)
+        at = (off + rows) * 16 + k[None, :]  # (chunk, candidate) of the segment's chunks
+        cacc += tl.load(cnt_ptr + first * 16 + at, mask=at < count * 16, other=0)
+        tacc += tl.load(tot_ptr + first * 16 + at, mask=at < count * 16, other=0.0)
     cnt = tl.sum(cacc, axis=0)
     tot = tl.sum(tacc, axis=0)
     has = cnt > 0
@@ -277,8 +271,9 @@ def _levels_kernel(seg_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr, head_ptr, mag_
     cb = tl.sum(tl.where(sel, cnt, 0))
     tb = tl.sum(tl.where(sel, tot, 0.0))
     v64 = tl.where(cb > 0, tb / tl.where(cb > 0, cb, 1).to(tl.float64), t64)
-    t32 = tl.where(nseg > 0, _rounded(t64, mult_ptr, HAS_FACTOR), 1.0)  # no values: 1.0
-    v32 = tl.where(nseg > 0, _rounded(v64, mult_ptr, HAS_FACTOR), 1.0)
+    factor = tl.load(mult_ptr + 15)
+    t32 = tl.where(nseg > 0, _rounded_by(t64, factor, HAS_FACTOR), 1.0)  # no values: 1.0
+    v32 = tl.where(nseg > 0, _rounded_by(v64, factor, HAS_FACTOR), 1.0)
     tl.store(head_ptr + mag_off + s, v32.to(tl.int32, bitcast=True))
     tl.store(ts_ptr + s, t32)
     tl.store(vs_ptr + s, v32)
