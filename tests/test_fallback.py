@@ -190,7 +190,7 @@ def test_torch_collectives_keep_one_shape_per_name(tmp_path_factory, index):
 def test_plain_wait_sleeps_while_another_rank_is_late():
     """A plain step waits as the compressed ones do, polling with sleeps: Horovod's own wait
     spins on sched_yield, and on a host held to a CPU quota (the emulated cluster's) that took
-    the CPU the collective needed (plain steps at 3-5x no compression's). Rank 1 is 0.6 s late
+    the CPU the collective needed (plain steps at 3-5x no compression's). Rank 1 is 1.2 s late
     at a step sent as g + r and at one sent member by member; rank 0's training thread spends
     little CPU waiting, and the steps after agree on every rank. (From the step after that one,
     the buckets are settled plain and the optimizer's steps are Horovod's own, which waits as
@@ -202,7 +202,7 @@ def test_plain_wait_sleeps_while_another_rank_is_late():
     waits = recs[0]["waits"]
     for step in (0, 1, 3):
         wall, cpu = waits[step]
-        assert wall > 0.4, waits  # it did wait for rank 1
+        assert wall > 0.6, waits  # it did wait for rank 1 (about 1.2 s; not 5 ms)
         if step < 3:
             assert cpu < 0.25 * wall, waits  # sleeping, not spinning
     assert recs[0]["direct"] == [False, True, True, True, True, True], recs[0]["direct"]
