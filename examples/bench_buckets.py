@@ -30,7 +30,8 @@ every step, and a table of what that costs (:mod:`horovod_twobit.benchmarks.stat
 starts ``horovodrun -np 2`` per framework and prints a table of median step times (ms) with the
 ratio to no compression. Each rank uses one thread (``--threads``). TensorFlow trains in a
 ``tf.function`` with ``hvd.DistributedGradientTape`` (``--tf-loops tape``, the default; ``anew``:
-the same, wrapped in a ``tf.function`` anew once ``fallback="auto"`` decided), or with
+the same through ``horovod_twobit.tensorflow.fallback_function``, traced anew once
+``fallback="auto"`` decided), or with
 ``horovod.tensorflow.keras.DistributedOptimizer`` in the train function ``model.fit`` runs for each
 batch (``--tf-loops fit``; its rows say ``(fit)``), or both (``--tf-loops tape,fit``).
 
@@ -335,10 +336,14 @@ def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor
         opt.apply_gradients(zip(grads, net.trainable_variables))
         return loss
 
-    # "anew": wrapped anew once it decided, as the docs tell a custom loop to
-    return (_made_anew(lambda: tf.function(train_step), lambda step: step(x, y).numpy(), comp,
-                       loop == "anew"),
-            len(net.trainable_variables), comp)
+    if loop == "anew" and isinstance(comp, TwoBitCompressor):
+        # "anew": traced anew once it decided, through fallback_function, as the docs tell a
+        # custom loop to
+        from horovod_twobit.tensorflow import fallback_function
+        step = fallback_function(train_step, comp)
+        return (lambda: step(x, y).numpy()), len(net.trainable_variables), comp
+    train = tf.function(train_step)
+    return (lambda: train(x, y).numpy()), len(net.trainable_variables), comp
 
 
 def _made_anew(make, call, comp, anew):
@@ -396,8 +401,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tf-loops", default="tape",
                     help="TensorFlow training loops: tape (DistributedGradientTape in a "
-                         "tf.function), anew (the same, wrapped in a tf.function anew once "
-                         "fallback=\"auto\" decided), fit (the Keras DistributedOptimizer in "
+                         "tf.function), anew (the same through fallback_function, traced anew "
+                         "once fallback=\"auto\" decided), fit (the Keras DistributedOptimizer in "
                          "fit's train function, traced anew once it decided, as "
                          "TwoBitFallbackCallback does), comma-separated")
     ap.add_argument("--np", type=int, default=2)

@@ -244,6 +244,31 @@ def test_fallback_argument_is_checked():
         validate_fallback("yes")
 
 
+def test_fallback_function_arguments_and_no_check():
+    """fallback_function refuses what is not a TwoBitCompressor, tf.function options beside a
+    tf.function, and what is not callable, naming the fix; with no checked fallback it is the
+    tf.function it was given, or tf.function(fn), and never traced anew."""
+    tf = pytest.importorskip("tensorflow")
+    from horovod_twobit.tensorflow import TwoBitCompressor, fallback_function
+    double = lambda x: 2.0 * x  # noqa: E731
+    with pytest.raises(TypeError, match="needs the TwoBitCompressor"):
+        fallback_function(double, object())
+    c = TwoBitCompressor(0.5)
+    with pytest.raises(ValueError, match="give the options to tf.function"):
+        fallback_function(tf.function(double), c, jit_compile=True)
+    with pytest.raises(TypeError, match="Python function"):
+        fallback_function(42, c)
+    given = tf.function(double)
+    for fn, always in ((double, c), (given, TwoBitCompressor(0.5, fallback="always"))):
+        step = fallback_function(fn, always)
+        first = step.function
+        assert step.retraced and (first is given) == (fn is given)
+        assert float(step(tf.constant(1.5))) == 3.0 and float(step(tf.constant(2.0))) == 4.0
+        assert step.function is first  # never traced anew
+    with_options = fallback_function(double, c, reduce_retracing=True)
+    assert with_options.function._reduce_retracing
+
+
 def test_model_decides_by_bytes_and_codec():
     from horovod_twobit.state.fallback import Link, compress_pays, times
     from horovod_twobit.wire.layout import Layout
@@ -575,12 +600,18 @@ def test_tf_plain_exchange_paths_on_one_rank():
     assert not bad, bad
 
 
+STEPS_OF_TAPE = 16  # tests/workers/tf_fit_settle.py's STEPS
+TAPE_WRAPPED = {"plain": "python", "compressed": "function"}  # what its tape loops wrap
+
+
 def test_tf_fallback_callback_retraces_keras_once_decided(tmp_path):
     """TwoBitFallbackCallback: a 2-rank Keras fit whose check keeps plain, or compressed, traces
     its train function anew once the check decided, with no new check; the steps after it keep
     the mode kept; every loss and final weight is the same as without the callback, bit for
-    bit, and the same on both ranks. A tape loop that wraps its step anew once
-    ``state.all_settled()`` does so even where its first call traced twice."""
+    bit, and the same on both ranks. A tape loop through ``fallback_function`` (given the
+    Python function where plain is kept, a ``tf.function`` of it where compressed is) is
+    traced anew once the check decided, even where its first call traced twice, with the same
+    results as without it."""
     res = jobs.run(2, "tf_fit_settle.py", tmp_path, timeout=400)
     got = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
     assert sorted(got) == [0, 1], res.output[-2000:]
@@ -598,9 +629,20 @@ def test_tf_fallback_callback_retraces_keras_once_decided(tmp_path):
             assert with_cb["losses"] == without["losses"], kept
             assert with_cb["weights"] == without["weights"], kept
             assert with_cb["weights"] == got[0]["%s/True" % kept]["weights"], kept
-            # a tape loop whose first call traced twice (a Keras optimizer making its variable):
-            # the first trace's check never ran, and the loop still sees every check decided
-            tape = got[r]["tape/%s" % kept]
-            assert tape["first_traces"] == 2 and tape["checks_made"] == 2, tape
-            assert tape["functions"] == 2 and tape["check_ops"][1] == 0 < tape["check_ops"][0]
-            assert set(tape["exchanges"]) == {"plain" if kept == "plain" else "allgather"}
+            # a tape loop through fallback_function whose first call traced twice (a Keras
+            # optimizer making its variable): the first trace's check never ran, and the loop
+            # is still traced anew once every check decided, right after the deciding step,
+            # with no check in the new trace; the same losses and weights as the loop left
+            # as it was traced first, on both ranks
+            plain_tape = got[r]["tape/%s/None" % kept]
+            assert plain_tape["functions"] == 1 and plain_tape["check_ops"][0] > 0, plain_tape
+            for wrap in (TAPE_WRAPPED[kept],):
+                tape = got[r]["tape/%s/%s" % (kept, wrap)]
+                assert tape["first_traces"] == 2 and tape["checks_made"] == 2, tape
+                assert tape["functions"] == 2, tape
+                assert tape["check_ops"][1] == 0 < tape["check_ops"][0], tape
+                assert tape["retraced_at"] == plain_tape["settled_at"] < STEPS_OF_TAPE - 1, tape
+                assert set(tape["exchanges"]) == {"plain" if kept == "plain" else "allgather"}
+                assert tape["losses"] == plain_tape["losses"], (kept, wrap)
+                assert tape["weights"] == plain_tape["weights"], (kept, wrap)
+                assert tape["weights"] == got[0]["tape/%s/%s" % (kept, wrap)]["weights"]

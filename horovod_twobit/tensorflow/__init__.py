@@ -12,10 +12,11 @@ go to Horovod unchanged.
 from horovod_twobit.tensorflow.codec import auto_levels, auto_threshold, decode, encode
 from horovod_twobit.tensorflow.compressor import TwoBitCompressor
 from horovod_twobit.tensorflow.callbacks import TwoBitFallbackCallback, TwoBitStatsCallback
+from horovod_twobit.tensorflow.retrace import fallback_function
 from horovod_twobit.tensorflow.router import install, installed, uninstall
 from horovod_twobit.wire import PayloadMismatchError
 
 install()
 
 __all__ = ["encode", "decode", "auto_levels", "auto_threshold", "TwoBitCompressor",
-           "TwoBitStatsCallback", "TwoBitFallbackCallback", "install", "uninstall", "installed", "PayloadMismatchError"]
+           "TwoBitStatsCallback", "TwoBitFallbackCallback", "fallback_function", "install", "uninstall", "installed", "PayloadMismatchError"]

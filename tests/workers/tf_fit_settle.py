@@ -1,7 +1,7 @@
 """TwoBitFallbackCallback in a real 2-rank Keras job: fit with fallback="auto" checked on every
 job (one round a block, two blocks: tests/workers/configs.py), the check made to keep KEPT
-("plain" or "compressed"), with and without the callback; and a tape loop wrapped anew once
-the check decided. Writes, per run, the final weights,
+("plain" or "compressed"), with and without the callback; and a tape loop through
+fallback_function (given the Python function, or a tf.function of it) and without it. Writes, per run, the final weights,
 the losses, how many train functions fit ran and how many checks were made, and each bucket's
 exchange on the last step, as JSON in rank<r>.json in the folder it is given."""
 
@@ -15,7 +15,7 @@ import tensorflow as tf
 import horovod.tensorflow.keras as hvd
 import horovod.tensorflow as hvd_tf
 from horovod_twobit.state import fallback
-from horovod_twobit.tensorflow import TwoBitCompressor, TwoBitFallbackCallback
+from horovod_twobit.tensorflow import TwoBitCompressor, TwoBitFallbackCallback, fallback_function
 from configs import checked_schedule
 
 hvd.init()
@@ -82,11 +82,13 @@ def run(kept, callback):
             "exchanges": sorted(b["exchange"] for b in st["buckets"].values())}
 
 
-def run_tape(kept):
+def run_tape(kept, wrap):
     """A tf.function of DistributedGradientTape and a Keras optimizer, which makes a variable
-    at its first call (so the function's first call traces twice, and runs the second), wrapped
-    anew once the compressor's checks have all decided, as the docs tell a custom loop to."""
-    model, c = setup(kept, "t")
+    at its first call (so the function's first call traces twice, and runs the second):
+    ``wrap`` "python", fallback_function(train_step, c); "function",
+    fallback_function(tf.function(train_step), c) (traced anew as a clone); None,
+    tf.function(train_step), never traced anew."""
+    model, c = setup(kept, {"python": "t", "function": "u", None: "v"}[wrap])
     opt = tf.keras.optimizers.SGD(0.1)
     hvd_tf.broadcast_variables(model.variables, root_rank=0)
 
@@ -98,22 +100,36 @@ def run_tape(kept):
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    fns = [tf.function(train_step)]
+    if wrap is None:
+        step = tf.function(train_step)
+    else:
+        step = fallback_function(train_step if wrap == "python" else tf.function(train_step), c)
+    fns, losses, retraced_at, settled_at = [], [], None, None
     data = np.random.default_rng(rank)
-    for _ in range(STEPS):
-        fns[-1](data.standard_normal((16, 12)).astype(np.float32),
-                data.standard_normal((16, 6)).astype(np.float32))
-        if len(fns) == 1 and c.state.all_settled():
-            fns.append(tf.function(train_step))
+    for i in range(STEPS):
+        fn = step if wrap is None else step.function
+        if not fns or fns[-1] is not fn:
+            fns.append(fn)
+        losses.append(float(step(data.standard_normal((16, 12)).astype(np.float32),
+                                 data.standard_normal((16, 6)).astype(np.float32))))
+        if wrap is not None and step.retraced and retraced_at is None:
+            retraced_at = i
+        if settled_at is None and c.state.all_settled():
+            settled_at = i  # the step after whose call every check had decided
     return {"functions": len(fns), "check_ops": [check_ops(f) for f in fns],
             "first_traces": len(fns[0]._list_all_concrete_functions()),
-            "checks_made": c.state.checks_made,
+            "checks_made": c.state.checks_made, "losses": losses, "retraced_at": retraced_at,
+            "settled_at": settled_at,
+            "weights": [w.tolist() for w in model.get_weights()],
             "exchanges": sorted(b["exchange"] for b in c.stats()["buckets"].values())}
 
 
 out = {"%s/%s" % (kept, cb): run(kept, cb) for kept in ("plain", "compressed")
        for cb in (True, False)}
-out.update({"tape/%s" % kept: run_tape(kept) for kept in ("plain", "compressed")})
+# the Python function where the check keeps plain, a tf.function of it where it keeps compressed
+out.update({"tape/%s/%s" % (kept, wrap): run_tape(kept, wrap)
+            for kept, wraps in (("plain", ("python", None)), ("compressed", ("function", None)))
+            for wrap in wraps})
 # a file per rank: two ranks' lines of over 64 KB each came out of horovodrun interleaved
 with open(os.path.join(sys.argv[1], "rank%d.json" % rank), "w") as f:
     json.dump(out, f)
