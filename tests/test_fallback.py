@@ -265,6 +265,7 @@ def test_fallback_function_arguments_and_no_check():
         assert step.retraced and (first is given) == (fn is given)
         assert float(step(tf.constant(1.5))) == 3.0 and float(step(tf.constant(2.0))) == 4.0
         assert step.function is first  # never traced anew
+        assert step.experimental_get_tracing_count() == 1  # tf.function's face, forwarded
     with_options = fallback_function(double, c, reduce_retracing=True)
     assert with_options.function._reduce_retracing
 

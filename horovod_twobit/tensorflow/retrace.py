@@ -15,6 +15,13 @@ class FallbackFunction:
         # nothing to wait for without a checked fallback: never traced anew
         self.retraced = compressor.state.fallback != "auto"
 
+    def __getattr__(self, name):
+        # the rest of tf.function's face (get_concrete_function, experimental_get_tracing_count,
+        # ...) is the current function's
+        if name == "function":
+            raise AttributeError(name)
+        return getattr(self.function, name)
+
     def __call__(self, *args, **kwargs):
         out = self.function(*args, **kwargs)
         # the checks decide inside a step, at the same step on every rank (rank 0's verdict is
