@@ -323,9 +323,8 @@ def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor
         net.compile(optimizer=opt, loss=loss_fn)
         batches = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
         # as TwoBitFallbackCallback does: the train function traced anew once it decided
-        return (_made_anew(lambda: net.make_train_function(force=True),
-                           lambda train: train(batches)["loss"].numpy(), comp, True),
-                len(net.trainable_variables), comp)
+        train = _anew(lambda: net.make_train_function(force=True), comp, TwoBitCompressor)
+        return (lambda: train(batches)["loss"].numpy()), len(net.trainable_variables), comp
     opt = tf.keras.optimizers.SGD(0.01)
 
     def train_step(x, y):
@@ -336,27 +335,21 @@ def tf_step(model_name, loop, method, args, tf, hvd, hvd_keras, TwoBitCompressor
         opt.apply_gradients(zip(grads, net.trainable_variables))
         return loss
 
-    if loop == "anew" and isinstance(comp, TwoBitCompressor):
-        # "anew": traced anew once it decided, through fallback_function, as the docs tell a
-        # custom loop to
-        from horovod_twobit.tensorflow import fallback_function
-        step = fallback_function(train_step, comp)
-        return (lambda: step(x, y).numpy()), len(net.trainable_variables), comp
-    train = tf.function(train_step)
+    # "anew": traced anew once it decided (fallback_function's mechanism), as the docs tell a
+    # custom loop to
+    train = (_anew(lambda: tf.function(train_step), comp, TwoBitCompressor) if loop == "anew"
+             else tf.function(train_step))
     return (lambda: train(x, y).numpy()), len(net.trainable_variables), comp
 
 
-def _made_anew(make, call, comp, anew):
-    """A step function: ``call(fn)`` on the traced function ``make()`` gives, made anew once
-    (with ``anew``) after ``comp``'s ``fallback="auto"`` checks all decided."""
-    fn = [make(), anew and getattr(comp, "fallback", None) == "auto"]
-
-    def step():
-        out = call(fn[0])
-        if fn[1] and comp.state.all_settled():
-            fn[:] = [make(), False]
-        return out
-    return step
+def _anew(make, comp, TwoBitCompressor):
+    """The traced function ``make()`` gives, made anew once after ``comp``'s
+    ``fallback="auto"`` checks all decided (as ``fallback_function`` and
+    ``TwoBitFallbackCallback`` do); as it is for other compressions."""
+    if not isinstance(comp, TwoBitCompressor):
+        return make()
+    from horovod_twobit.tensorflow.retrace import FallbackFunction
+    return FallbackFunction(make, comp)
 
 
 def _median_across(hvd, times):
