@@ -410,6 +410,21 @@ def turns(methods, warmup, steps, in_a_row=1):
     return out
 
 
+def quota_on(rank, signal, barrier, timeout=600.0):
+    """Every rank's warm-up is done: rank 0 writes ``signal + ".warm"`` and waits for the driver
+    (examples/bench_cluster.py), which then sets the hosts' CPU quota, to write ``signal +
+    ".quota"``; every rank goes on after that (a barrier)."""
+    if rank == 0:
+        open(signal + ".warm", "w").close()
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(signal + ".quota"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the driver set no CPU quota within %.0f s of the warm-up's "
+                                   "end (%s.quota never came)" % (timeout, signal))
+            time.sleep(0.01)
+    barrier()
+
+
 def worker(args):
     """Trains every method of ``args.method`` (comma-separated) in turns and writes
     ``<out>/rank<r>.json``: per method, the step times, CPU times, bytes and losses."""
@@ -448,15 +463,23 @@ def worker(args):
         return float(loss.detach())
 
     loss0 = eval_loss(runs[0][1], runs[0][3], args.model)
-    for run in runs:
-        warmup = warmup_steps(run[0], args.warmup)
-        for i in range(warmup):
-            if i >= args.warmup and not checking(run):
-                break
-            t0 = time.perf_counter()
-            step(run, i)
-            progress(rank, "%s warm-up step %d/%d: %.2f s" % (run[0], i + 1, warmup,
-                                                              time.perf_counter() - t0))
+    # the warm-up steps of every method (start-up's compilations), then, under the hosts' CPU
+    # quota where the driver held it back until here, the steps of a fallback's checked decision
+    # (which measures the steps), then the timed steps
+    for phase in ("warm-up", "checks"):
+        if phase == "checks":
+            barrier()
+            if getattr(args, "quota_signal", None):
+                quota_on(rank, args.quota_signal, barrier)
+        for run in runs:
+            warmup = warmup_steps(run[0], args.warmup)
+            for i in range(args.warmup) if phase == "warm-up" else range(args.warmup, warmup):
+                if i >= args.warmup and not checking(run):
+                    break
+                t0 = time.perf_counter()
+                step(run, i)
+                progress(rank, "%s warm-up step %d/%d: %.2f s" % (run[0], i + 1, warmup,
+                                                                  time.perf_counter() - t0))
     barrier()
     for i0, order in turns(len(runs), args.warmup, args.steps, getattr(args, "run_steps", 1)):
         for k, i in order:

@@ -28,7 +28,9 @@ default every host gets a hard CPU quota of ``Q = cores x headroom / N`` cores (
 ``--cpus-per-host``) and the cluster runs with time dilation ``D = 1 / Q`` (``--dilation``: links at
 rate / D): each host then stands for a 1-core host on the real-world link, D times slower. The
 table gives the measured step and the real-host equivalent (measured / D), and per host and step
-the compute, codec and waiting parts (real-host seconds). ``--cpus-per-host 0`` turns the
+the compute, codec and waiting parts (real-host seconds). The quota holds from the first
+measured step: a job's start-up and warm-up steps run at the machine's cores
+(``--quota-from-start``: under the quota too). ``--cpus-per-host 0`` turns the
 emulation off (the hosts share the cores as they come; dilation 1). So that a waiting host does
 not take CPU from the others, every method waits with short sleeps (``--spin-wait``: Horovod's own
 spinning wait for no compression and fp16). While it runs it prints a line per step (and one
@@ -156,6 +158,44 @@ class Progress:
 
 
 # ---------------------------------------------------------------------- driver
+class QuotaHeldBack:
+    """The hosts run without their CPU quota (at the machine's cores) from a job's start until
+    its workers' warm-up ends (``<signal>.warm``); then the quota is set again and
+    ``<signal>.quota`` tells the workers to go on: start-up and the warm-up's compilations, which
+    nothing times, take seconds instead of a minute at a quarter of a core, and every step that
+    is measured (the timed steps, and a fallback's checked decision) runs under the quota."""
+
+    def __init__(self, cpu):
+        self.cpu, self.cpus, self.period = cpu, cpu.cpus, cpu.period_us
+        self.done, self.thread = threading.Event(), None
+
+    def start(self, signal):
+        self.cpu.set_cpus(max(float(os.cpu_count() or 1), self.cpus), self.period)
+        self.thread = threading.Thread(target=self._watch, args=(signal,), daemon=True)
+        self.thread.start()
+
+    def _watch(self, signal):
+        while not self.done.wait(0.01):
+            if os.path.exists(signal + ".warm"):
+                self.cpu.set_cpus(self.cpus, self.period)
+                open(signal + ".quota", "w").close()
+                return
+
+    def stop(self):
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+        self.cpu.set_cpus(self.cpus, self.period)  # whatever happened, the quota again
+
+
+def quota_held_back(c, args):
+    """A :class:`QuotaHeldBack` for a job on ``c``, or None: hosts without a quota, or with
+    ``--quota-from-start``."""
+    if c.cpus_per_host is None or getattr(args, "quota_from_start", False):
+        return None
+    return QuotaHeldBack(c.cpu)
+
+
 def run_job(c, args, model, methods, rate, log):
     """Runs the methods (all Horovod, taking turns in one job, or one DDP method); returns one
     result row per method."""
@@ -174,6 +214,9 @@ def run_job(c, args, model, methods, rate, log):
         common += ["--run-steps", args.run_steps]
     # HOROVOD_GLOO_TIMEOUT_SECONDS: broadcasting the 21 M-value MLP from rank 0 to 7 hosts at
     # 100 Mbit/s takes longer than Gloo's default 30 s
+    held = quota_held_back(c, args)
+    if held:
+        common += ["--quota-signal", os.path.join(out, "quota")]
     d = c.dilation  # a dilated cluster is D times slower: so are its timeouts
     env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": str(args.threads), "TF_CPP_MIN_LOG_LEVEL": "3",
            "GLOO_SOCKET_IFNAME": c.iface, "HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(600 * max(1, d)))}
@@ -182,6 +225,8 @@ def run_job(c, args, model, methods, rate, log):
     throttled0 = {k: v["throttled_s"] for k, v in c.cpu_stats().items()}
     stream = Progress(log, "%s %s" % (model, ",".join(methods)))
     try:
+        if held:
+            held.start(os.path.join(out, "quota"))
         if kind_of(methods[0]) in HOROVOD_METHODS:
             res = c.horovodrun(1, [sys.executable, script, "--worker", "horovod"] + common,
                                timeout=timeout, env=env, stream=stream)
@@ -193,6 +238,8 @@ def run_job(c, args, model, methods, rate, log):
                                  timeout=timeout, env=env, stream=stream)
     finally:
         stream.close()
+        if held:
+            held.stop()
     throttled = {k: v["throttled_s"] - throttled0.get(k, 0.0) for k, v in c.cpu_stats().items()}
     ranks = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(out, "rank*.json")))]
     shutil.rmtree(out, ignore_errors=True)
@@ -218,6 +265,9 @@ def run_job(c, args, model, methods, rate, log):
                      # methods of a job take turns step by step, so step i of two methods pairs
                      "step_s": [t / d for t in step_max],
                      "cpus_per_host": c.cpus_per_host,
+                     # where the quota held from: the job's start, or its first measured step
+                     "quota_from": None if c.cpus_per_host is None else
+                     "measured" if held else "start",
                      # DDP communicates inside backward: its parts cannot be told apart here
                      "compute_s": per_host(per_rank, "compute") if hvd_m else None,
                      "codec_s": per_host(per_rank, "codec") if hvd_m else None,
@@ -559,7 +609,12 @@ def parser():
     ap.add_argument("--measure-headroom", action="store_true",
                     help="only measure: every host spins at quotas adding up to 1.0 ... 0.5 of "
                          "the cores and the CPU each got is printed against its quota")
+    ap.add_argument("--quota-from-start", action="store_true",
+                    help="hold the hosts' CPU quota from each job's start (default: start-up and "
+                         "the warm-up steps run at the machine's cores, the quota from the first "
+                         "measured step: a fallback's checked decision and the timed steps)")
     # worker mode (started by the driver in every host)
+    ap.add_argument("--quota-signal", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=["horovod", "ddp", "calibrate"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)

@@ -321,6 +321,7 @@ def test_cluster_benchmark_reports_every_method(tmp_path):
     for r in rows.values():
         assert not r["failed"] and r["median_step_s"] > 0 and r["cpu_step_s"] > 0
         assert r["cpus_per_host"] == pytest.approx(q)
+        assert r["quota_from"] == ("measured" if q else None)  # not over the warm-up
         assert r["dilation"] == pytest.approx(1 / q if q else 1)
         assert r["real_step_s"] == pytest.approx(r["median_step_s"] / r["dilation"])
         assert len(r["step_s"]) == 3 and r["real_step_s"] == pytest.approx(sorted(r["step_s"])[1])
