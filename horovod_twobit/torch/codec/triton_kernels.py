@@ -439,14 +439,17 @@ def _f32(x, device):
     copy to the device per call)."""
     if isinstance(x, torch.Tensor):
         return x if x.dtype == torch.float32 else x.to(torch.float32)
-    key = (float(x).hex(), device)  # -0.0 apart from 0.0
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = torch.tensor(float(x), dtype=torch.float32, device=device)
-    return _CONSTANTS[key]
+    # keyed by the number where equal numbers are one float32, by its hex where not (0.0 and
+    # -0.0 are equal, NaN is not equal to itself): float.hex costs the host ~1 us a call
+    key = (x if x and x == x else float(x).hex(), device)
+    got = _CONSTANTS.get(key)
+    if got is None:
+        got = _CONSTANTS[key] = torch.tensor(float(x), dtype=torch.float32, device=device)
+    return got
 
 
 def _grid(nwords, bw=None):
-    return (max(1, triton.cdiv(nwords, bw or BLOCK_WORDS)),)
+    return (max(1, -(-nwords // (bw or BLOCK_WORDS))),)  # (triton.cdiv: ~3 us on the host)
 
 
 # ----------------------------------------------------------------- the codec's entry points
