@@ -462,24 +462,24 @@ def worker(args):
             r["wait"].append(max(0.0, t2 - t0 - r["compute"][-1] - codec_s))
         return float(loss.detach())
 
+    def untimed(run, i):
+        t0 = time.perf_counter()
+        step(run, i)
+        progress(rank, "%s warm-up step %d/%d: %.2f s" % (
+            run[0], i + 1, warmup_steps(run[0], args.warmup), time.perf_counter() - t0))
+
     loss0 = eval_loss(runs[0][1], runs[0][3], args.model)
-    # the warm-up steps of every method (start-up's compilations), then, under the hosts' CPU
-    # quota where the driver held it back until here, the steps of a fallback's checked decision
-    # (which measures the steps), then the timed steps
-    for phase in ("warm-up", "checks"):
-        if phase == "checks":
-            barrier()
-            if getattr(args, "quota_signal", None):
-                quota_on(rank, args.quota_signal, barrier)
-        for run in runs:
-            warmup = warmup_steps(run[0], args.warmup)
-            for i in range(args.warmup) if phase == "warm-up" else range(args.warmup, warmup):
-                if i >= args.warmup and not checking(run):
-                    break
-                t0 = time.perf_counter()
-                step(run, i)
-                progress(rank, "%s warm-up step %d/%d: %.2f s" % (run[0], i + 1, warmup,
-                                                                  time.perf_counter() - t0))
+    for run in runs:  # the warm-up steps of every method (start-up's compilations)
+        for i in range(args.warmup):
+            untimed(run, i)
+    barrier()
+    if args.quota_signal:  # the driver held the hosts' CPU quota back until here
+        quota_on(rank, args.quota_signal, barrier)
+    for run in runs:  # under the quota: a fallback's checked decision, which measures steps
+        for i in range(args.warmup, warmup_steps(run[0], args.warmup)):
+            if not checking(run):
+                break
+            untimed(run, i)
     barrier()
     for i0, order in turns(len(runs), args.warmup, args.steps, getattr(args, "run_steps", 1)):
         for k, i in order:

@@ -191,7 +191,7 @@ class QuotaHeldBack:
 def quota_held_back(c, args):
     """A :class:`QuotaHeldBack` for a job on ``c``, or None: hosts without a quota, or with
     ``--quota-from-start``."""
-    if c.cpus_per_host is None or getattr(args, "quota_from_start", False):
+    if c.cpus_per_host is None or args.quota_from_start:
         return None
     return QuotaHeldBack(c.cpu)
 
