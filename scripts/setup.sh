@@ -6,8 +6,9 @@
 # editable mode.
 #
 # The Horovod and mpi4py wheels are cached under $HOROVOD_TWOBIT_CACHE (default ~/.cache/horovod-twobit),
-# keyed by every version they were built against, so a rerun with nothing changed takes well under a
-# minute.
+# keyed by every version they were built against, so a rerun that installs nothing takes about 30 s
+# (pip's resolution, horovodrun --check-build), and one after a setup that changed nothing at all
+# (the key below: this script, the settings, the venv's packages) under a second.
 #
 # Environment:
 #   HOROVOD_TWOBIT_CACHE        where built wheels are kept
@@ -15,6 +16,7 @@
 #   HOROVOD_TWOBIT_TORCH_INDEX  an extra package index holding torch's CPU wheels (the Docker image
 #                               sets it; pip's configured find-links serve them on the project's machines)
 #   PYTHON                      the interpreter to build the venv from (default: python3)
+#   HOROVOD_TWOBIT_SETUP_LOG    where the commands' output goes (default: <repo>/build/setup.log)
 #   HOROVOD_TWOBIT_SKIP_PACKAGE if set, everything but this package (the Docker image's dependency
 #                               layer, built before the source is copied in)
 set -euo pipefail
@@ -24,7 +26,7 @@ VENV="${HOROVOD_TWOBIT_VENV:-$REPO/.venv}"
 CACHE="${HOROVOD_TWOBIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/horovod-twobit}"
 PYTHON="${PYTHON:-python3}"
 LOG_DIR="$REPO/build"
-LOG="$LOG_DIR/setup.log"
+LOG="${HOROVOD_TWOBIT_SETUP_LOG:-$LOG_DIR/setup.log}"
 
 HOROVOD_VERSION=0.28.1
 TORCH_VERSION=2.13.0
@@ -43,7 +45,23 @@ PY_PACKAGES=("torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" "numpy<2"
              "scikit-learn" "pytest" "pytest-timeout" "matplotlib" "setuptools>=68,<81" "wheel"
              "cloudpickle" "psutil" "pyyaml" "packaging" "cffi>=1.4.0")
 
-mkdir -p "$LOG_DIR" "$CACHE"
+# A setup that ended "ready" leaves a key of what it set up: this script and pyproject.toml, the
+# settings above, OpenMPI's version and the names in the venv's site-packages (every installed
+# distribution and its version). While it matches, there is nothing to do: the checks below (pip's
+# resolution, horovodrun --check-build) cost about 30 s a run.
+READY="$VENV/.horovod-twobit-ready"
+ready_key() {
+  {
+    cat "$REPO/scripts/setup.sh" "$REPO/pyproject.toml"
+    printf '%s\n' "$REPO" "$VENV" "$CACHE" "$PYTHON" "${HOROVOD_TWOBIT_TORCH_INDEX:-}" \
+      "${HOROVOD_TWOBIT_SKIP_PACKAGE:-}"
+    dpkg-query -W -f='${Version}\n' libopenmpi-dev 2>/dev/null || true
+    ls -1a "$VENV"/lib/python*/site-packages "$VENV/triton-site" 2>/dev/null || true
+  } | sha256sum | cut -d' ' -f1
+}
+if [ "${1:-}" = --ready-key ]; then ready_key; exit 0; fi  # what the check compares (the tests')
+
+mkdir -p "$(dirname "$LOG")" "$CACHE"
 : >"$LOG"
 T0=$(date +%s)
 stage() { printf '[setup %4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; echo "=== $* ===" >>"$LOG"; }
@@ -71,6 +89,13 @@ if ((${#missing[@]})); then
   run apt-get install -y --no-install-recommends "${missing[@]}" \
     || fail "apt-get install ${missing[*]}" "install them by hand and rerun"
 fi
+
+# ---------------------------------------------------------------- nothing changed?
+if [ -x "$VENV/bin/python" ] && [ -f "$READY" ] && [ "$(cat "$READY")" = "$(ready_key)" ]; then
+  stage "ready: $VENV (nothing changed since its last setup; delete $READY to check it all again)"
+  exit 0
+fi
+rm -f "$READY"
 
 # ---------------------------------------------------------------- virtual environment
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
@@ -172,4 +197,5 @@ echo "$out" >>"$LOG"
 for fw in TensorFlow PyTorch MPI Gloo; do
   echo "$out" | grep -qE "\[X\] $fw\b" || { echo "$out"; fail "horovod was built without $fw" "delete $WHEEL_DIR and rerun"; }
 done
+ready_key >"$READY"
 stage "ready: $VENV (horovod $HOROVOD_VERSION, torch $torch_v, tensorflow $tf_v)"

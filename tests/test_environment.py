@@ -333,6 +333,46 @@ def test_setup_builds_a_horovod_in_the_declared_range():
     assert built in spec and importlib.metadata.version("horovod") in spec, (built, spec)
 
 
+def _setup(venv, *args, **settings):
+    env = dict(os.environ, HOROVOD_TWOBIT_VENV=str(venv),
+               HOROVOD_TWOBIT_SETUP_LOG=str(venv.parent / "setup.log"), **settings)
+    return subprocess.run(["bash", os.path.join(REPO, "scripts", "setup.sh"), *args], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+
+
+def test_setup_does_nothing_while_nothing_changed(tmp_path):
+    """setup.sh returns at once while its key (this script, the settings, the venv's packages)
+    matches the one its last setup left, and checks everything again when any of them changed."""
+    venv = tmp_path / "venv"
+    site = venv / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (venv / "bin").mkdir()
+    py = venv / "bin" / "python"
+    py.write_text("#!/bin/sh\nexit 1\n")  # any real work with this venv fails
+    py.chmod(0o755)
+    ready = venv / ".horovod-twobit-ready"
+    key = _setup(venv, "--ready-key").stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", key), key
+    ready.write_text(key + "\n")
+    res = _setup(venv)
+    assert res.returncode == 0 and "nothing changed since its last setup" in res.stdout, res.stdout
+    assert ready.read_text().strip() == key
+    # a package installed (a name more in site-packages), or another setting: another key
+    (site / "numpy-9.9.dist-info").mkdir()
+    assert _setup(venv, "--ready-key").stdout.strip() != key
+    (site / "numpy-9.9.dist-info").rmdir()
+    assert _setup(venv, "--ready-key").stdout.strip() == key
+    other = _setup(venv, "--ready-key", HOROVOD_TWOBIT_TORCH_INDEX="http://127.0.0.1:9/")
+    assert other.stdout.strip() != key
+    # an old key: the whole setup runs (its first pip step fails with this venv) and the old key
+    # is gone, so a failed setup is never taken as ready
+    ready.write_text("0" * 64 + "\n")
+    res = _setup(venv)
+    assert res.returncode == 1 and "nothing changed" not in res.stdout, res.stdout
+    assert "FAILED: pip install of the Python packages" in res.stdout, res.stdout
+    assert not ready.exists() and (tmp_path / "setup.log").exists()
+
+
 def test_pip_install_keeps_the_environments_horovod(tmp_path, wheel_dir):
     """`pip install horovod-twobit` into an environment that has Horovod (this stack's: torch,
     TensorFlow, Horovod 0.28.1) installs this package alone: Horovod, NumPy and the rest stay."""
