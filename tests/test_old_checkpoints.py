@@ -103,6 +103,7 @@ def test_fixture_is_complete():
     assert size < 400 * 1024, size
 
 
+@pytest.mark.slow  # a process per binding restores and steps them (10-13 s each)
 @pytest.mark.parametrize("binding,config,how", CASES)
 def test_old_checkpoint_continues_bit_for_bit(tmp_path_factory, binding, config, how):
     arrays, report = _restored(tmp_path_factory, binding)
@@ -120,6 +121,7 @@ def test_old_checkpoint_continues_bit_for_bit(tmp_path_factory, binding, config,
         binding, config, how, "\n".join(diff))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("binding", list(SHORT))
 def test_without_the_old_state_the_steps_differ(tmp_path_factory, binding):
     """The comparison can fail: a compressor that restored nothing, or (scatter) not the owners'

@@ -94,6 +94,7 @@ def test_scatter_matches_reference(tmp_path_factory, np_, threshold):
                                           np.full(3, sum(range(np_)), np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("np_", [2, 4])
 def test_auto_exchange_picks_per_bucket(tmp_path_factory, np_):
     """exchange="auto": each bucket takes the exchange that sends fewer bytes (the same on every
@@ -160,6 +161,7 @@ def test_mismatch_raises_on_every_rank(error_jobs, case, np_):
     _same_error_everywhere(error_jobs(np_)[case], CASES[case])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,np_", [(c, n) for n in sorted(MIXED) for c in MIXED[n]])
 def test_mixed_exchanges_raise_on_every_rank(error_jobs, case, np_):
     """Ranks that use different exchanges for one tensor submit different collectives (alltoall,
