@@ -199,3 +199,10 @@ def test_kernels_compile_for_gpus(compiled_for_gpus):
     whole = [r for r in rows if r["kernel"] == "_encode_kernel" and r["constexprs"]["BUCKET"]
              and r["pointers"]["g_ptr"] == "*fp32"]
     assert whole and all(r["ld_global_v4"] > 0 for r in whole)
+    # "auto": a chunk of whole words reads r and g in vectors, one that ends inside a word
+    # value by value (its masks differ within a vector), and the pack reads 4 bytes at once
+    for name in ("_abs_sums_kernel", "_counts_kernel"):
+        for r in (r for r in rows if r["kernel"] == name and r["pointers"]["g_ptr"] == "*fp32"):
+            assert r["ld_global_v4"] >= 2 and r["ld_global_b32"] >= 8, (name, r)
+    for r in (r for r in rows if r["kernel"] == "_auto_pack_kernel"):
+        assert r["ld_global_b8"] == 0 and r["ld_global_b32"] > 0, r

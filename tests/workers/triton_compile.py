@@ -55,6 +55,8 @@ COUNTED = {
     "ld_global_v4": r"\bld\.global(\.\w+)*\.v4\.",
     "ld_global_v2": r"\bld\.global(\.\w+)*\.v2\.",
     "ld_global": r"\bld\.global\b",
+    "ld_global_b32": r"\bld\.global(\.(?!v\d)\w+)*\.b32\b",  # one 32-bit word a thread
+    "ld_global_b8": r"\bld\.global(\.(?!v\d)\w+)*\.[bu]8\b",
     "st_global_v4": r"\bst\.global(\.\w+)*\.v4\.",
     "bar_sync": r"\bbar\.sync\b|\bbarrier\.sync\b",
     "atom": r"\batom\.",

@@ -11,9 +11,11 @@ and device), no host synchronisation. :mod:`horovod_twobit.torch.codec` dispatch
   Pass 2 takes its segment's mean from those sums, counts and sums (float64) |r + g| at or
   above every candidate threshold, and stores per value one byte: how many of the candidates'
   float32-rounded thresholds |r + g| reaches, and its sign. Its tiles are :data:`COUNT_ROWS` x
-  :data:`COUNT_LANES` values with a lane's column in one thread, so each candidate's count and
-  sum are added up within the thread across the chunk and the lanes summed once at its end
-  (compiled, no barrier per tile). Pass 3, one program per segment, reduces the segment's counts
+  :data:`COUNT_LANES` values with a lane's :data:`COUNT_ROWS` contiguous values in one thread
+  (one vector load of each of r and g), so each candidate's count and sum are added up within
+  the thread across the chunk and the lanes summed once at its end (compiled, no barrier per
+  tile). Passes 1 and 2 read a chunk of whole words (all but a tensor's last) in vectors, and
+  one that ends inside a word value by value. Pass 3, one program per segment, reduces the segment's counts
   and sums and chooses and rounds the levels as :func:`horovod_twobit.reference.auto_levels`
   does. Pass 4 packs the codes from the bytes (a value is sent exactly when it reaches more
   candidates than the chosen one's index, since the rounded candidates are sorted). A
@@ -146,6 +148,15 @@ def _bf16_bits(x):
 
 
 @triton.jit
+def _whole_words(length):
+    """``length``, a multiple of 16, as a value the compiler knows to be one (so that a mask
+    ``i < length`` holds for 16 values at a time: vector loads). Not ``tl.multiple_of(length,
+    16)``: that marks the op that made ``length``, so it would hold on every path, also where
+    ``length`` is not a multiple of 16."""
+    return length // 16 * 16
+
+
+@triton.jit
 def _segment_mean(part_ptr, first, count, nseg, P: tl.constexpr):
     """The float64 mean of |r + g| over a segment: its chunks' sums, ``P`` at a time (lane j
     adds chunks j, j + P, ... in order, then the lanes are summed), / its length."""
@@ -178,11 +189,8 @@ def _encode_kernel(r_ptr, g_ptr, words_ptr, head_ptr, t_ptr, mow_ptr, n, nwords,
 
 
 @triton.jit
-def _abs_sums_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, TW: tl.constexpr):
-    """Pass 1 of "auto": the float64 sum of |r + g| over each chunk."""
-    c = tl.program_id(0)
-    start = tl.load(ch_ptr + c * 5)
-    length = tl.load(ch_ptr + c * 5 + 1)
+def _chunk_abs_sum(r_ptr, g_ptr, start, length, TW: tl.constexpr):
+    """The float64 sum of |r + g| over ``length`` values from ``start``."""
     acc = tl.zeros([TW, 16], dtype=tl.float64)
     for off in range(0, length, 16 * TW):  # only the chunk's own tiles
         i = off + tl.arange(0, TW)[:, None] * 16 + tl.arange(0, 16)[None, :]
@@ -190,33 +198,34 @@ def _abs_sums_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, TW: tl.constexpr):
         x = tl.load(r_ptr + start + i, mask=m, other=0.0) + \
             tl.load(g_ptr + start + i, mask=m, other=0.0).to(tl.float32)
         acc += tl.abs(x).to(tl.float64)
-    tl.store(part_ptr + c, tl.sum(tl.sum(acc, axis=1), axis=0))
+    return tl.sum(tl.sum(acc, axis=1), axis=0)
 
 
 @triton.jit
-def _counts_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr,
-                   stash_ptr, head_ptr, mow_ptr, K: tl.constexpr, HAS_FACTOR: tl.constexpr,
-                   BUCKET: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
-                   P: tl.constexpr):
-    """Pass 2 of "auto": per chunk, the count and float64 sum of |r + g| at or above each
-    candidate (OPT_MULTIPLES times the segment's mean), one byte per value (how many rounded
-    candidates |r + g| reaches, plus 16 where r + g > 0), and the NaN/Inf flags. A tile is
-    (ROWS, LANES) values, a lane's column in one thread: each candidate's count and sum over a
-    column go into that candidate's row of a (16, LANES) accumulator, within the thread (no
-    shuffle, no barrier); the lanes are summed once, at the end of the chunk."""
+def _abs_sums_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, TW: tl.constexpr):
+    """Pass 1 of "auto": the float64 sum of |r + g| over each chunk."""
     c = tl.program_id(0)
-    start = tl.load(ch_ptr + c * 5)
+    start = tl.multiple_of(tl.load(ch_ptr + c * 5), 16)  # chunks start at whole words
     length = tl.load(ch_ptr + c * 5 + 1)
-    first = tl.load(ch_ptr + c * 5 + 2)
-    count = tl.load(ch_ptr + c * 5 + 3)
-    nseg = tl.load(ch_ptr + c * 5 + 4)
-    mean = _segment_mean(part_ptr, first, count, nseg.to(tl.float64), P)
-    factor = tl.load(mult_ptr + 15)
+    if length % 16 == 0:  # whole words (every chunk but a tensor's last): vector loads
+        total = _chunk_abs_sum(r_ptr, g_ptr, start, _whole_words(length), TW)
+    else:
+        total = _chunk_abs_sum(r_ptr, g_ptr, start, length, TW)
+    tl.store(part_ptr + c, total)
+
+
+@triton.jit
+def _chunk_counts(r_ptr, g_ptr, stash_ptr, head_ptr, mow_ptr, start, length, mean, factor,
+                  K: tl.constexpr, HAS_FACTOR: tl.constexpr, BUCKET: tl.constexpr,
+                  ROWS: tl.constexpr, LANES: tl.constexpr):
+    """:func:`_counts_kernel`'s pass over ``length`` values from ``start``: the (16, LANES)
+    accumulators of the candidates' counts and float64 sums; stores the bytes and the flags."""
     cand = tl.arange(0, 16)[:, None]
     cacc = tl.zeros([16, LANES], dtype=tl.int32)
     tacc = tl.zeros([16, LANES], dtype=tl.float64)
     for off in range(0, length, ROWS * LANES):  # only the chunk's own tiles
-        i = off + tl.arange(0, ROWS)[:, None] * LANES + tl.arange(0, LANES)[None, :]
+        # lane t's ROWS values are contiguous (ROWS * t on): one vector load of r and of g
+        i = off + tl.arange(0, ROWS)[:, None] + tl.arange(0, LANES)[None, :] * ROWS
         m = i < length
         x = tl.load(r_ptr + start + i, mask=m, other=0.0) + \
             tl.load(g_ptr + start + i, mask=m, other=0.0).to(tl.float32)
@@ -232,6 +241,36 @@ def _counts_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr,
         byte = tl.where(m, reached + tl.where(x > 0, 16, 0), 0)
         tl.store(stash_ptr + start + i, byte.to(tl.uint8), mask=m)
         _flag_words(head_ptr, (start + i) // 16, ((x - x) != 0) & m, mow_ptr, BUCKET)
+    return cacc, tacc
+
+
+@triton.jit
+def _counts_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr,
+                   stash_ptr, head_ptr, mow_ptr, K: tl.constexpr, HAS_FACTOR: tl.constexpr,
+                   BUCKET: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
+                   P: tl.constexpr):
+    """Pass 2 of "auto": per chunk, the count and float64 sum of |r + g| at or above each
+    candidate (OPT_MULTIPLES times the segment's mean), one byte per value (how many rounded
+    candidates |r + g| reaches, plus 16 where r + g > 0), and the NaN/Inf flags. A tile is
+    (ROWS, LANES) values, lane t's ROWS contiguous values in one thread (a vector load each of
+    r and g where the chunk is whole words): each candidate's count and sum over a lane go into
+    that candidate's row of a (16, LANES) accumulator, within the thread (no shuffle, no
+    barrier); the lanes are summed once, at the end of the chunk."""
+    c = tl.program_id(0)
+    start = tl.multiple_of(tl.load(ch_ptr + c * 5), 16)  # chunks start at whole words
+    length = tl.load(ch_ptr + c * 5 + 1)
+    first = tl.load(ch_ptr + c * 5 + 2)
+    count = tl.load(ch_ptr + c * 5 + 3)
+    nseg = tl.load(ch_ptr + c * 5 + 4)
+    mean = _segment_mean(part_ptr, first, count, nseg.to(tl.float64), P)
+    factor = tl.load(mult_ptr + 15)
+    if length % 16 == 0:  # whole words (every chunk but a tensor's last): vector loads
+        cacc, tacc = _chunk_counts(r_ptr, g_ptr, stash_ptr, head_ptr, mow_ptr, start,
+                                   _whole_words(length), mean, factor, K, HAS_FACTOR, BUCKET,
+                                   ROWS, LANES)
+    else:
+        cacc, tacc = _chunk_counts(r_ptr, g_ptr, stash_ptr, head_ptr, mow_ptr, start, length,
+                                   mean, factor, K, HAS_FACTOR, BUCKET, ROWS, LANES)
     k = tl.arange(0, 16)
     tl.store(cnt_ptr + c * 16 + k, tl.sum(cacc, axis=1).to(tl.int64))
     tl.store(tot_ptr + c * 16 + k, tl.sum(tacc, axis=1))
@@ -287,7 +326,7 @@ def _auto_pack_kernel(ch_ptr, seg_ptr, stash_ptr, words_ptr, ts_ptr, vs_ptr, bes
     chosen candidate (a value is sent exactly when it reaches more rounded candidates than the
     chosen one's index), and the segment's levels for each of its words."""
     c = tl.program_id(0)
-    start = tl.load(ch_ptr + c * 5)
+    start = tl.multiple_of(tl.load(ch_ptr + c * 5), 16)  # chunks start at whole words
     length = tl.load(ch_ptr + c * 5 + 1)
     seg = tl.load(seg_ptr + c)
     best = tl.load(best_ptr + seg)
@@ -297,11 +336,14 @@ def _auto_pack_kernel(ch_ptr, seg_ptr, stash_ptr, words_ptr, ts_ptr, vs_ptr, bes
     for off in range(0, nw, TW):
         wl = off + tl.arange(0, TW)
         i = wl[:, None] * 16 + tl.arange(0, 16)[None, :]
-        m = i < length
-        byte = tl.load(stash_ptr + start + i, mask=m, other=0).to(tl.int32)
-        codes = tl.where((byte & 15) > best, tl.where(byte >= 16, _CODE_POS, _CODE_NEG), 0)
-        w = start // 16 + wl
         wm = wl < nw
+        # whole words of bytes (the stash has 16 a word): a vector load each; a word's bytes
+        # past the chunk were never written, and send nothing
+        byte = tl.load(stash_ptr + start + i, mask=tl.broadcast_to(wm[:, None], [TW, 16]),
+                       other=0).to(tl.int32)
+        codes = tl.where((byte & 15) > best, tl.where(byte >= 16, _CODE_POS, _CODE_NEG), 0)
+        codes = tl.where(i < length, codes, 0)
+        w = start // 16 + wl
         tl.store(words_ptr + w, _pack(codes), mask=wm)
         tl.store(tw_ptr + w, t32 + tl.zeros([TW], dtype=tl.float32), mask=wm)
         tl.store(vw_ptr + w, v32 + tl.zeros([TW], dtype=tl.float32), mask=wm)
