@@ -45,7 +45,7 @@ def _path(name):
         raise RuntimeError("Triton does not import")
 
 
-def tensor_rows(n, threshold, device, paths, min_time):
+def tensor_rows(n, threshold, device, paths, min_time, min_rounds=5):
     """One tensor of ``n`` values: {path: {encode, finish2, finish8, owner8, probe}} in seconds."""
     auto = threshold == "auto"
     lay = Layout([n], auto, *wire.validate_blocks(threshold))
@@ -68,14 +68,15 @@ def tensor_rows(n, threshold, device, paths, min_time):
                lambda: scatter_codec.owner_reduce(chunks, own, [int(splits[0])] * 8, ["t"], 0,
                                                   threshold, "lsq", owner_r),
                lambda: r.add_(g)]
-        secs = time_round_robin(fns, torch.device(device), min_time=min_time)
+        secs = time_round_robin(fns, torch.device(device), min_time=min_time,
+                                min_rounds=min_rounds)
         secs[3] *= 8  # one owner's chunk is an eighth of the values
         out[name] = dict(zip(["encode", "finish2", "finish8", "owner8", "probe"], secs))
         r.zero_()
     return out
 
 
-def model_rows(values, bucket_bytes, threshold, device, paths, min_time):
+def model_rows(values, bucket_bytes, threshold, device, paths, min_time, min_rounds=5):
     """One step's codec over a model's buckets: {path: {step2, step8, probe}} in seconds, the
     probe over the model's values."""
     sizes, total = [], 0
@@ -110,7 +111,7 @@ def model_rows(values, bucket_bytes, threshold, device, paths, min_time):
                 codec.finish_payload(lay, gathered[id(p), N], N, ["t"] * lay.members, r, work, t,
                                      v, N, 1.0)
         secs = time_round_robin([lambda: step(2), lambda: step(8), lambda: big_r.add_(big_g)],
-                                torch.device(device), min_time=min_time)
+                                torch.device(device), min_time=min_time, min_rounds=min_rounds)
         out[name] = dict(zip(["step2", "step8", "probe"], secs))
     return out, total, len(lays)
 
@@ -124,6 +125,7 @@ def main(argv=None):
     p.add_argument("--bucket-bytes", default="4M")
     p.add_argument("--paths", default="triton,torch")
     p.add_argument("--min-time", type=float, default=0.3, help="seconds per function and size")
+    p.add_argument("--min-rounds", type=int, default=5, help="calls of each function at least")
     p.add_argument("--json", help="write the figures there too")
     args = p.parse_args(argv)
     paths = args.paths.split(",")
@@ -137,7 +139,7 @@ def main(argv=None):
     for size in args.sizes.split(","):
         n = parse_size(size)
         for thr in thresholds:
-            res = tensor_rows(n, thr, args.device, paths, args.min_time)
+            res = tensor_rows(n, thr, args.device, paths, args.min_time, args.min_rounds)
             for name, s in res.items():
                 gb = 4 * n / 1e9
                 rate = {k: gb / x for k, x in s.items()}
@@ -155,7 +157,7 @@ def main(argv=None):
     mrows = []
     for thr in thresholds:
         res, total, nb = model_rows(parse_size(args.model_values), parse_size(args.bucket_bytes),
-                                    thr, args.device, paths, args.min_time)
+                                    thr, args.device, paths, args.min_time, args.min_rounds)
         for name, s in res.items():
             per_byte = s["probe"] / (12.0 * total)
             x2 = s["step2"] / ((24.25 + 0.5) * total * per_byte)

@@ -206,3 +206,31 @@ def test_kernels_compile_for_gpus(compiled_for_gpus):
             assert r["ld_global_v4"] >= 2 and r["ld_global_b32"] >= 8, (name, r)
     for r in (r for r in rows if r["kernel"] == "_auto_pack_kernel"):
         assert r["ld_global_b8"] == 0 and r["ld_global_b32"] > 0, r
+
+
+BENCH = os.path.join(os.path.dirname(HERE), "scripts", "gpu_codec_bench.py")
+
+
+@needs_triton
+@pytest.mark.slow
+def test_bench_script_runs_on_the_interpreter(tmp_path):
+    """scripts/gpu_codec_bench.py, part 2 of scripts/gpu_check.sh (which runs only on a GPU), on
+    CPU tensors through the interpreter at tiny sizes: every row of both paths and thresholds, in
+    its table (which gpu_check.sh prints from the ``| rows |`` header on) and in its JSON."""
+    out = tmp_path / "bench.json"
+    env = worker_env({"TRITON_INTERPRET": "1", "HOROVOD_TWOBIT_COMPILE": "0",
+                      "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--sizes", "1K",
+                           "--model-values", "6K", "--bucket-bytes", "8K", "--min-time", "0",
+                           "--min-rounds", "1", "--json", str(out)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    want = {(p, t) for p in ("triton", "torch") for t in (0.5, "auto")}
+    for kind, keys in (("tensor", ("encode", "finish2", "finish8", "owner8", "probe")),
+                       ("model", ("step2", "step8", "probe"))):
+        assert {(r["path"], r["threshold"]) for r in got[kind]} == want, got[kind]
+        for r in got[kind]:
+            assert all(0 < r[k] < 60 for k in keys), r
+    table = proc.stdout[proc.stdout.index("| rows |"):]
+    assert table.count("| tensor | 1K |") == 4 and table.count("| model | 6K |") == 4, table
