@@ -7,22 +7,21 @@ and device), no host synchronisation. :mod:`horovod_twobit.torch.codec` dispatch
   ORs the NaN/Inf flags (header word 1, each member's flag byte) into the payload with atomics,
   only in words that held NaN or Inf.
 - :func:`encode_payload`, ``"auto"`` (rule ``lsq``): each segment (a member's block) is cut into
-  chunks of :data:`CHUNK` values, one program each. Pass 1 sums |r + g| per chunk (float64).
-  Pass 2 takes its segment's mean from those sums, counts and sums (float64) |r + g| at or
-  above every candidate threshold, and stores per value one byte: how many of the candidates'
-  float32-rounded thresholds |r + g| reaches, and its sign. Its tiles are :data:`COUNT_ROWS` x
-  :data:`COUNT_LANES` values with a lane's :data:`COUNT_ROWS` contiguous values in one thread
-  (one vector load of each of r and g), so each candidate's count and sum are added up within
-  the thread across the chunk and the lanes summed once at its end (compiled, no barrier per
-  tile). Passes 1 and 2 read a chunk of whole words (all but a tensor's last) in vectors, and
-  one that ends inside a word value by value. Pass 3, one program per segment, reduces the segment's counts
-  and sums and chooses and rounds the levels as :func:`horovod_twobit.reference.auto_levels`
-  does. Pass 4 packs the codes from the bytes (a value is sent exactly when it reaches more
-  candidates than the chosen one's index, since the rounded candidates are sorted). A
-  segment's chunk sums are added :data:`SUM_LANES` at a time (lane j: chunks j, j + SUM_LANES,
-  ... in order; then the lanes), in the same order wherever they are needed. r and g are read
-  twice. Other rules take their levels from :mod:`.levels`, then the fixed-threshold pass with
-  one threshold per word.
+  chunks of :data:`CHUNK` values, one program each. Pass 1 sums |r + g| per chunk (float64). Pass
+  2 takes its segment's mean from those sums, counts and sums (float64) |r + g| at or above every
+  candidate threshold, and stores per value one byte: how many of the candidates' float32-rounded
+  thresholds |r + g| reaches, and its sign. Its tiles are :data:`COUNT_ROWS` x :data:`COUNT_LANES`
+  values with a lane's :data:`COUNT_ROWS` contiguous values in one thread (one vector load of each
+  of r and g), so each candidate's count and sum are added up within the thread across the chunk
+  and the lanes summed once at its end (compiled, no barrier per tile). Passes 1 and 2 read a
+  chunk of whole words (all but a tensor's last) in vectors, and one that ends inside a word value
+  by value. Pass 3, one program per segment, reduces the segment's counts and sums and chooses and
+  rounds the levels as :func:`horovod_twobit.reference.auto_levels` does. Pass 4 packs the codes
+  from the bytes (a value is sent exactly when it reaches more candidates than the chosen one's
+  index, since the rounded candidates are sorted). A segment's chunk sums are added
+  :data:`SUM_LANES` at a time (lane j: chunks j, j + SUM_LANES, ... in order; then the lanes), in
+  the same order wherever they are needed. r and g are read twice. Other rules take their levels
+  from :mod:`.levels`, then the fixed-threshold pass with one threshold per word.
 - :func:`finish_payload`: one pass commits this rank's error feedback (r <- (r + g) - q, MXNet's
   float32 operations in :func:`.kernels.committed`'s order), sums every rank's decoded words in
   rank order (each rank's threshold or magnitudes read from its own payload), divides correctly
