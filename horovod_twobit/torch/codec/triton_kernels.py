@@ -70,6 +70,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_WORDS = int(os.environ.get("HOROVOD_TWOBIT_TRITON_BLOCK_WORDS", 256 if INTERPRET else 64))
 CHUNK = int(os.environ.get("HOROVOD_TWOBIT_TRITON_CHUNK", 16384 if INTERPRET else 8192))
 TILE_WORDS = 32
+PACK_WORDS = 128  # the "auto" pack pass's tile: a word's 16 bytes a thread (4 warps), one load
 COUNT_ROWS, COUNT_LANES = 4, 128  # the "auto" count pass's tiles: a lane a thread (4 warps)
 SUM_LANES = 32  # a segment's chunks summed this many at a time (the mean, the counts and sums)
 _KP = 16  # candidate slots (OPT_MULTIPLES padded to a power of two)
@@ -336,8 +337,9 @@ def _auto_pack_kernel(ch_ptr, seg_ptr, stash_ptr, words_ptr, ts_ptr, vs_ptr, bes
         wl = off + tl.arange(0, TW)
         i = wl[:, None] * 16 + tl.arange(0, 16)[None, :]
         wm = wl < nw
-        # whole words of bytes (the stash has 16 a word): a vector load each; a word's bytes
-        # past the chunk were never written, and send nothing
+        # whole words of bytes (the stash has 16 a word): a word's 16 in one thread, one vector
+        # load, packed within the thread; a word's bytes past the chunk were never written, and
+        # send nothing
         byte = tl.load(stash_ptr + start + i, mask=tl.broadcast_to(wm[:, None], [TW, 16]),
                        other=0).to(tl.int32)
         codes = tl.where((byte & 15) > best, tl.where(byte >= 16, _CODE_POS, _CODE_NEG), 0)
@@ -554,7 +556,7 @@ def encode_payload(layout, on, r, g, threshold, rule, payload, segment_levels):
     _levels_kernel[(layout.segments,)](tab.segs, part, mult, cnt, tot, payload, tab.mag_off, ts,
                                        vs, best, K=_K, HAS_FACTOR=bool(k), P=SUM_LANES, **opts)
     _auto_pack_kernel[(nc,)](tab.chunks, tab.chunk_seg, stash, body, ts, vs, best, tw, vw,
-                             TW=TILE_WORDS, **opts)
+                             TW=PACK_WORDS, **opts)
     if layout.segments == 1:
         return ts[0], vs[0]
     return tw[:words], vw[:words]
