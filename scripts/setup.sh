@@ -45,14 +45,16 @@ PY_PACKAGES=("torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" "numpy<2"
              "scikit-learn" "pytest" "pytest-timeout" "matplotlib" "setuptools>=68,<81" "wheel"
              "cloudpickle" "psutil" "pyyaml" "packaging" "cffi>=1.4.0")
 
-# A setup that ended "ready" leaves a key of what it set up: this script and pyproject.toml, the
+# A setup that ended "ready" leaves a key of what it set up: this script and pyproject.toml (if any), the
 # settings above, OpenMPI's version and the names in the venv's site-packages (every installed
 # distribution and its version). While it matches, there is nothing to do: the checks below (pip's
 # resolution, horovodrun --check-build) cost about 30 s a run.
 READY="$VENV/.horovod-twobit-ready"
 ready_key() {
   {
-    cat "$REPO/scripts/setup.sh" "$REPO/pyproject.toml"
+    cat "$REPO/scripts/setup.sh"
+    # absent in the Docker image's dependency layer, which copies this script alone
+    [ ! -f "$REPO/pyproject.toml" ] || cat "$REPO/pyproject.toml"
     printf '%s\n' "$REPO" "$VENV" "$CACHE" "$PYTHON" "${HOROVOD_TWOBIT_TORCH_INDEX:-}" \
       "${HOROVOD_TWOBIT_SKIP_PACKAGE:-}"
     dpkg-query -W -f='${Version}\n' libopenmpi-dev 2>/dev/null || true

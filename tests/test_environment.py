@@ -373,6 +373,27 @@ def test_setup_does_nothing_while_nothing_changed(tmp_path):
     assert not ready.exists() and (tmp_path / "setup.log").exists()
 
 
+def test_setup_key_where_the_script_stands_alone(tmp_path):
+    """The Docker image's dependency layer copies scripts/setup.sh without the rest of the source:
+    the key a finished setup writes is made there too (no pyproject.toml), and the source's
+    pyproject.toml, once copied in, changes it."""
+    import shutil
+    alone = tmp_path / "repo" / "scripts"
+    alone.mkdir(parents=True)
+    shutil.copy(os.path.join(REPO, "scripts", "setup.sh"), alone / "setup.sh")
+    venv = tmp_path / "repo" / ".venv"
+    env = dict(os.environ, HOROVOD_TWOBIT_VENV=str(venv))
+    def key():
+        res = subprocess.run(["bash", str(alone / "setup.sh"), "--ready-key"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and res.stderr == "", res.stdout + res.stderr
+        assert re.fullmatch(r"[0-9a-f]{64}\n", res.stdout), res.stdout
+        return res.stdout
+    without = key()
+    shutil.copy(os.path.join(REPO, "pyproject.toml"), tmp_path / "repo" / "pyproject.toml")
+    assert key() != without
+
+
 def test_pip_install_keeps_the_environments_horovod(tmp_path, wheel_dir):
     """`pip install horovod-twobit` into an environment that has Horovod (this stack's: torch,
     TensorFlow, Horovod 0.28.1) installs this package alone: Horovod, NumPy and the rest stay."""
