@@ -157,7 +157,7 @@ if [ "$installed_hvd" = "$HOROVOD_VERSION" ] && [ "$(cat "$stamp" 2>/dev/null)" 
   stage "horovod $HOROVOD_VERSION already installed ($KEY)"
 else
   if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
-    stage "building horovod $HOROVOD_VERSION (about 12 minutes on 2 cores; log: $LOG)"
+    stage "building horovod $HOROVOD_VERSION (about 5 minutes on 2 cores; log: $LOG)"
     SRC=$(mktemp -d)
     trap 'rm -rf "$SRC"' EXIT
     run "$PY" -m pip download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$SRC" \
