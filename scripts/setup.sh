@@ -45,9 +45,9 @@ PY_PACKAGES=("torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" "numpy<2"
              "scikit-learn" "pytest" "pytest-timeout" "matplotlib" "setuptools>=68,<81" "wheel"
              "cloudpickle" "psutil" "pyyaml" "packaging" "cffi>=1.4.0")
 
-# A setup that ended "ready" leaves a key of what it set up: this script and pyproject.toml (if any), the
-# settings above, OpenMPI's version and the names in the venv's site-packages (every installed
-# distribution and its version). While it matches, there is nothing to do: the checks below (pip's
+# A setup that ended "ready" leaves a key of what it set up: this script and pyproject.toml (if
+# any), the settings above, OpenMPI's version and the names in the venv's site-packages (every
+# installed distribution and its version). While it matches, there is nothing to do: the checks below (pip's
 # resolution, horovodrun --check-build) cost about 30 s a run.
 READY="$VENV/.horovod-twobit-ready"
 ready_key() {
