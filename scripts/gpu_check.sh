@@ -18,8 +18,15 @@
 # 4. DDP's 2-bit hook on the GPU: tests/test_ddp.py's CUDA jobs (2 torchrun processes on the one
 #    GPU, gloo with CUDA tensors: every step bit for bit against the NumPy reference, a fault
 #    included; a short training run whose losses follow the same run on the CPU);
-# then one table of everything. Each part has its own time limit, and a part that fails does not
-# stop the others; the exit status is that of the tests (1, then 4).
+# then one table of everything, kept in OUT/summary.md part by part (what a cut-off run leaves).
+#
+# The parts share one deadline, GPU_CHECK_BUDGET seconds from the start (default 390, for a call
+# limited to 420 s): each runs until its own limit or until only the later parts' minimums are
+# left, whichever comes first, so that a slow part shortens the ones after it instead of
+# starving them. GPU_CHECK_DEVICE=cpu rehearses the whole script on this machine's CPU (Triton's
+# interpreter, tiny sizes, Horovod's stand-in forced, the CUDA tests skipping): the suite runs it
+# so, and a plumbing mistake does not cost the one call on a GPU. Exit status: that of the tests
+# (1, then 4); 2 where the device is not usable.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,19 +39,51 @@ else PY=python3; fi
 T0=$(date +%s)
 say() { printf '[gpu_check %4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
 
-say "python: $PY"
-if ! "$PY" - <<'EOF' 2>&1 | tee "$OUT/device.txt"; then say "no usable GPU: stopping"; exit 2; fi
-import sys, torch
+DEVICE="${GPU_CHECK_DEVICE:-cuda}"
+BUDGET="${GPU_CHECK_BUDGET:-390}"
+case "$DEVICE" in cuda|cpu) ;; *) echo "GPU_CHECK_DEVICE must be cuda or cpu, not $DEVICE" >&2; exit 2 ;; esac
+# what the Triton parts run with: on a GPU the kernels compiled; in the rehearsal Triton's
+# interpreter on CPU tensors (and Triton's own directory, which scripts/setup.sh keeps beside the
+# venv, on the path of those parts only: beside TensorFlow's ops in one process it crashes at exit)
+SITE=$("$PY" -c "import sys; print(sys.prefix)")/triton-site
+triton_env() {
+  TRITON_ENV=()
+  [ "$DEVICE" = cpu ] || return 0
+  TRITON_ENV=(TRITON_INTERPRET=1 HOROVOD_TWOBIT_COMPILE=0 PYTHONWARNINGS=ignore)
+  [ -d "$SITE" ] && TRITON_ENV+=("PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}")
+  return 0
+}
+triton_env
+: >"$OUT/summary.md"
+row() { echo "| $1 | $2 | $3 |" >>"$OUT/summary.md"; }
+# seconds part may run: its own limit, or what is left before the deadline less the minimums of the
+# parts after it (never under 10)
+cap() {
+  local left=$(( T0 + BUDGET - $(date +%s) - $2 ))
+  [ "$left" -lt "$1" ] || left=$1
+  [ "$left" -ge 10 ] || left=10
+  echo "$left"
+}
+
+say "python: $PY; device: $DEVICE; budget ${BUDGET} s"
+if ! env "${TRITON_ENV[@]}" GPU_CHECK_DEVICE="$DEVICE" "$PY" - <<'EOF' 2>&1 | tee "$OUT/device.txt"; then
+import os, sys, torch
+import triton
+if os.environ["GPU_CHECK_DEVICE"] == "cpu":
+    print("device: CPU, a rehearsal (Triton's interpreter); torch %s, triton %s"
+          % (torch.__version__, triton.__version__))
+    sys.exit(0)
 if not torch.cuda.is_available():
     sys.exit("torch %s sees no CUDA device" % torch.__version__)
-import triton
 print("device: %s; torch %s, CUDA %s, triton %s" % (torch.cuda.get_device_name(0),
       torch.__version__, torch.version.cuda, triton.__version__))
 EOF
+  say "no usable device: stopping"; exit 2
+fi
 
 # ------------------------------------------------------------------ Horovod's import-only stand-in
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PY" -c "import horovod.torch" >/dev/null 2>&1; then
+if [ "$DEVICE" = cpu ] || ! "$PY" -c "import horovod.torch" >/dev/null 2>&1; then
   STUB="$OUT/horovod_stand_in"
   rm -rf "$STUB"
   mkdir -p "$STUB/horovod/torch/elastic"  # no horovod.tensorflow: TensorFlow's tests skip
@@ -83,71 +122,88 @@ EOF
       >"$STUB/horovod/$m.py"
   done
   export PYTHONPATH="$STUB:$PYTHONPATH"
-  say "Horovod does not import: its import-only stand-in is on PYTHONPATH ($STUB)"
+  say "Horovod's import-only stand-in is on PYTHONPATH ($STUB)"
 fi
+triton_env
 
 # ------------------------------------------------------------------ 1. the CUDA tests
 XDIST=()
 "$PY" -c "import xdist" >/dev/null 2>&1 && XDIST=(-n 8)
-say "1. CUDA tests"
-# (not the compile check: CI compiles the same kernels for sm_90 and sm_80 without a GPU)
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
-  -k "(cuda or gpu) and not compile_for_gpus" \
+LIMIT=$(cap 150 175)
+say "1. CUDA tests (up to $LIMIT s)"
+# (not the compile check: CI compiles the same kernels for sm_90 and sm_80 without a GPU; not
+# the rehearsal of this script, which CI runs)
+timeout "$LIMIT" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
+  -k "(cuda or gpu) and not compile_for_gpus and not rehearses" \
   tests/test_triton_kernels.py tests/test_torch_codec.py tests/test_torch_buckets.py \
   tests/test_torch_scatter_codec.py tests/test_auto_threshold.py tests/test_steptime.py \
   >"$OUT/tests.txt" 2>&1
 TESTS_RC=$?
 tail -n 25 "$OUT/tests.txt"
-TESTS_LINE=$(grep -E "passed|failed|error" "$OUT/tests.txt" | tail -n 1)
-[ "$TESTS_RC" = 124 ] && TESTS_LINE="timed out after 150 s; $TESTS_LINE"
+TESTS_LINE=$(grep -E "passed|failed|error|skipped|deselected|no tests ran" "$OUT/tests.txt" | tail -n 1)
+[ "$TESTS_RC" = 124 ] && TESTS_LINE="timed out after $LIMIT s; $TESTS_LINE"
+row "CUDA tests" "${TESTS_LINE:-no result}" "$OUT/tests.txt"
 
 # ------------------------------------------------------------------ 2. the codec's speed
-say "2. codec benchmark (Triton and compiled torch ops, against the probe)"
-timeout 170 "$PY" scripts/gpu_codec_bench.py --device cuda --sizes 1M,16M,64M,256M \
-  --model-values 25M --bucket-bytes 4M --json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
+BENCH=(--device cuda --sizes 1M,16M,64M,256M --model-values 25M --bucket-bytes 4M)
+[ "$DEVICE" = cpu ] && BENCH=(--device cpu --sizes 1K --model-values 6K --bucket-bytes 8K
+                              --min-time 0 --min-rounds 1)
+LIMIT=$(cap 170 115)
+say "2. codec benchmark (Triton and compiled torch ops, against the probe; up to $LIMIT s)"
+timeout "$LIMIT" env "${TRITON_ENV[@]}" "$PY" scripts/gpu_codec_bench.py "${BENCH[@]}" \
+  --json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
 BENCH_RC=$?
 tail -n 40 "$OUT/bench.txt"
+rc_word() { case "$1" in 0) echo ok ;; 124) echo "timed out after $2 s" ;; *) echo "failed ($1)" ;; esac; }
+row "codec benchmark" "$(rc_word $BENCH_RC $LIMIT), $(grep -c '^| ' "$OUT/bench.txt") rows" \
+  "$OUT/bench.txt, bench.json"
 
 # ------------------------------------------------------------------ 3. the profile, the advisor
-say "3. advise calibrate --device cuda (the Triton kernels)"
+CAL=(--device cuda --sizes 256K,1M,4M,16M,64M --reps 3)
+[ "$DEVICE" = cpu ] && CAL=(--device cpu --sizes 4K --reps 1 --members 1 --tables 1
+                            --segment-values 0)
+LIMIT=$(cap 150 75)
+say "3. advise calibrate --device $DEVICE (the Triton kernels; up to $LIMIT s)"
 PROFILE="$OUT/gpu-triton.json"
-timeout 150 "$PY" -m horovod_twobit.advise calibrate --device cuda --name gpu-triton \
-  --out "$PROFILE" --sizes 256K,1M,4M,16M,64M --reps 3 >"$OUT/calibrate.txt" 2>&1
+rm -f "$PROFILE"
+timeout "$LIMIT" env "${TRITON_ENV[@]}" "$PY" -m horovod_twobit.advise calibrate "${CAL[@]}" \
+  --name gpu-triton --out "$PROFILE" >"$OUT/calibrate.txt" 2>&1
 CAL_RC=$?
 tail -n 20 "$OUT/calibrate.txt"
+row "calibrate" "$(rc_word $CAL_RC $LIMIT)" "$PROFILE"
 ADVISE=(--params 25.6M --step-ms 104 --workers 64 --rate 25gbit)
 : >"$OUT/advise.txt"
 for prof in h200 "$PROFILE"; do
   [ -f "$prof" ] || [ "$prof" = h200 ] || continue
   for counts in 64 8,16,32,64,128,256,512,1024; do
     echo "### profile $prof, workers $counts" >>"$OUT/advise.txt"
-    timeout 60 "$PY" -m horovod_twobit.advise "${ADVISE[@]}" --profile "$prof" \
+    timeout "$(cap 30 60)" "$PY" -m horovod_twobit.advise "${ADVISE[@]}" --profile "$prof" \
       --counts "$counts" >>"$OUT/advise.txt" 2>&1
   done
 done
 cat "$OUT/advise.txt"
+row "advisor, h200 then this device's profile" \
+  "$(grep -c '^###' "$OUT/advise.txt") runs, $(grep -c 'Traceback\|error:' "$OUT/advise.txt") errors" \
+  "$OUT/advise.txt"
 
 # ------------------------------------------------------------------ 4. DDP's hook on the GPU
-say "4. DDP's 2-bit hook on the GPU (torchrun, 2 processes)"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -k cuda tests/test_ddp.py \
+LIMIT=$(cap 240 0)
+say "4. DDP's 2-bit hook on the GPU (torchrun, 2 processes; up to $LIMIT s)"
+timeout "$LIMIT" "$PY" -m pytest -q -p no:cacheprovider -k cuda tests/test_ddp.py \
   >"$OUT/ddp.txt" 2>&1
 DDP_RC=$?
 tail -n 15 "$OUT/ddp.txt"
-DDP_LINE=$(grep -E "passed|failed|error" "$OUT/ddp.txt" | tail -n 1)
-[ "$DDP_RC" = 124 ] && DDP_LINE="timed out after 240 s; $DDP_LINE"
+DDP_LINE=$(grep -E "passed|failed|error|skipped|deselected|no tests ran" "$OUT/ddp.txt" | tail -n 1)
+[ "$DDP_RC" = 124 ] && DDP_LINE="timed out after $LIMIT s; $DDP_LINE"
+row "DDP hook on the GPU" "${DDP_LINE:-no result}" "$OUT/ddp.txt"
 
 # ------------------------------------------------------------------ one table
-rc_word() { case "$1" in 0) echo ok ;; 124) echo "timed out" ;; *) echo "failed ($1)" ;; esac; }
 echo
 echo "## gpu_check $(date -u +%Y-%m-%dT%H:%MZ), $(head -n 1 "$OUT/device.txt")"
 echo
 echo "| part | result | where |"
 echo "|---|---|---|"
-echo "| CUDA tests | ${TESTS_LINE:-no result} | $OUT/tests.txt |"
-echo "| DDP hook on the GPU | ${DDP_LINE:-no result} | $OUT/ddp.txt |"
-echo "| codec benchmark | $(rc_word $BENCH_RC) | $OUT/bench.txt, bench.json |"
-echo "| calibrate | $(rc_word $CAL_RC) | $PROFILE |"
-echo "| advisor, h200 then this GPU's profile | $(grep -c '^###' "$OUT/advise.txt") runs | $OUT/advise.txt |"
+cat "$OUT/summary.md"
 echo
 sed -n '/^| rows |/,$p' "$OUT/bench.txt"
 say "done"

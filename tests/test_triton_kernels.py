@@ -7,6 +7,7 @@ forced (HOROVOD_TWOBIT_TRITON=force), so what runs is the dispatch a CUDA tensor
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -207,29 +208,57 @@ def test_kernels_compile_for_gpus(compiled_for_gpus):
         assert r["ld_global_b8"] == 0 and r["ld_global_v4"] > 0, r  # a word's bytes in one load
 
 
-BENCH = os.path.join(os.path.dirname(HERE), "scripts", "gpu_codec_bench.py")
+GPU_CHECK = os.path.join(os.path.dirname(HERE), "scripts", "gpu_check.sh")
+# each part's own limit and the minimum it keeps for the parts after it (scripts/gpu_check.sh)
+GPU_CHECK_PARTS = {"1. CUDA tests": (150, 175), "2. codec benchmark": (170, 115),
+                   "3. advise calibrate": (150, 75), "4. DDP's 2-bit hook": (240, 0)}
 
 
 @needs_triton
 @pytest.mark.slow
-def test_bench_script_runs_on_the_interpreter(tmp_path):
-    """scripts/gpu_codec_bench.py, part 2 of scripts/gpu_check.sh (which runs only on a GPU), on
-    CPU tensors through the interpreter at tiny sizes: every row of both paths and thresholds, in
-    its table (which gpu_check.sh prints from the ``| rows |`` header on) and in its JSON."""
-    out = tmp_path / "bench.json"
-    env = worker_env({"TRITON_INTERPRET": "1", "HOROVOD_TWOBIT_COMPILE": "0",
-                      "PYTHONWARNINGS": "ignore"})
-    proc = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--sizes", "1K",
-                           "--model-values", "6K", "--bucket-bytes", "8K", "--min-time", "0",
-                           "--min-rounds", "1", "--json", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(out.read_text())
+def test_the_device_check_rehearses_on_the_cpu(tmp_path):
+    """scripts/gpu_check.sh, the one call a lent GPU gets, rehearsed end to end on CPU tensors
+    (GPU_CHECK_DEVICE=cpu: Triton's interpreter, tiny sizes, Horovod's import-only stand-in
+    forced, so the codec's test files import as on a machine without a Horovod build, and the
+    CUDA tests skip): every part runs and has its row in the table and in summary.md; the
+    benchmark (part 2) has every row of both paths and thresholds in its table and JSON; the
+    calibrated profile loads and the advisor runs on it and on the shipped h200 profile; and the
+    parts' limits come from the shared deadline (a budget of 240 s shortens the first part's
+    150 s to what the later parts' minimums leave)."""
+    budget = 240
+    env = dict(os.environ, GPU_CHECK_DEVICE="cpu", GPU_CHECK_OUT=str(tmp_path),
+               GPU_CHECK_BUDGET=str(budget))
+    proc = subprocess.run(["bash", GPU_CHECK], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = proc.stdout
+    assert "Horovod's import-only stand-in is on PYTHONPATH" in log
+    for part, (limit, reserve) in GPU_CHECK_PARTS.items():
+        m = re.search(r"\[gpu_check +(\d+)s\] %s.*up to (\d+) s\)" % re.escape(part), log)
+        assert m, (part, log)
+        start, got = int(m.group(1)), int(m.group(2))
+        # the script's clock may tick between the line's time and the limit's
+        assert min(limit, budget - start - reserve - 1) <= got <= min(limit, budget - start - reserve)
+    assert "1. CUDA tests (up to 150 s)" not in log  # the deadline shortened it
+    rows = dict(line.split(" | ")[:2] for line in (tmp_path / "summary.md").read_text().splitlines())
+    assert list(rows) == ["| CUDA tests", "| codec benchmark", "| calibrate",
+                          "| advisor, h200 then this device's profile", "| DDP hook on the GPU"]
+    assert "skipped" in rows["| CUDA tests"] and "failed" not in rows["| CUDA tests"]
+    assert rows["| codec benchmark"] == "ok, 16 rows" and rows["| calibrate"] == "ok"
+    assert rows["| advisor, h200 then this device's profile"] == "4 runs, 0 errors"
+    assert "skipped" in rows["| DDP hook on the GPU"]
+    assert log.count("| CUDA tests |") == 1 and "| DDP hook on the GPU |" in log  # the table
+    from horovod_twobit.model import steptime
+    prof = steptime.load_profile(str(tmp_path / "gpu-triton.json"))
+    assert prof["codec_by_size"]["sizes"] == [4096]
+    advice = (tmp_path / "advise.txt").read_text()
+    assert advice.count("### profile") == 4 and "Traceback" not in advice
+    got = json.loads((tmp_path / "bench.json").read_text())
     want = {(p, t) for p in ("triton", "torch") for t in (0.5, "auto")}
     for kind, keys in (("tensor", ("encode", "finish2", "finish8", "owner8", "probe")),
                        ("model", ("step2", "step8", "probe"))):
         assert {(r["path"], r["threshold"]) for r in got[kind]} == want, got[kind]
         for r in got[kind]:
             assert all(0 < r[k] < 60 for k in keys), r
-    table = proc.stdout[proc.stdout.index("| rows |"):]
+    table = log[log.rindex("| rows |"):]  # the one table's (part 2 printed it too)
     assert table.count("| tensor | 1K |") == 4 and table.count("| model | 6K |") == 4, table
