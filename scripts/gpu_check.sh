@@ -45,17 +45,27 @@ case "$DEVICE" in cuda|cpu) ;; *) echo "GPU_CHECK_DEVICE must be cuda or cpu, no
 # what the Triton parts run with: on a GPU the kernels compiled; in the rehearsal Triton's
 # interpreter on CPU tensors (and Triton's own directory, which scripts/setup.sh keeps beside the
 # venv, on the path of those parts only: beside TensorFlow's ops in one process it crashes at exit)
-SITE=$("$PY" -c "import sys; print(sys.prefix)")/triton-site
-triton_env() {
-  TRITON_ENV=()
-  [ "$DEVICE" = cpu ] || return 0
+TRITON_ENV=() TRITON_PATH=""
+if [ "$DEVICE" = cpu ]; then
   TRITON_ENV=(TRITON_INTERPRET=1 HOROVOD_TWOBIT_COMPILE=0 PYTHONWARNINGS=ignore)
-  [ -d "$SITE" ] && TRITON_ENV+=("PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}")
-  return 0
+  SITE=$("$PY" -c "import sys; print(sys.prefix)")/triton-site
+  [ -d "$SITE" ] && TRITON_PATH="$SITE:"
+fi
+# with_triton SECONDS [NAME=VALUE ...] COMMAND ...: a Triton part, stopped after SECONDS
+with_triton() {
+  local limit=$1; shift
+  timeout "$limit" env "${TRITON_ENV[@]}" PYTHONPATH="$TRITON_PATH${PYTHONPATH:-}" "$@"
 }
-triton_env
 : >"$OUT/summary.md"
 row() { echo "| $1 | $2 | $3 |" >>"$OUT/summary.md"; }
+rc_word() { case "$1" in 0) echo ok ;; 124) echo "timed out after $2 s" ;; *) echo "failed ($1)" ;; esac; }
+# a pytest part's row: its summary line, after "timed out" where it was stopped
+tests_row() {
+  local line
+  line=$(grep -E "passed|failed|error|skipped|deselected|no tests ran" "$4" | tail -n 1)
+  [ "$2" = 124 ] && line="timed out after $3 s; $line"
+  row "$1" "${line:-no result}" "$4"
+}
 # seconds part may run: its own limit, or what is left before the deadline less the minimums of the
 # parts after it (never under 10)
 cap() {
@@ -66,15 +76,16 @@ cap() {
 }
 
 say "python: $PY; device: $DEVICE; budget ${BUDGET} s"
-if ! env "${TRITON_ENV[@]}" GPU_CHECK_DEVICE="$DEVICE" "$PY" - <<'EOF' 2>&1 | tee "$OUT/device.txt"; then
+if ! with_triton 60 GPU_CHECK_DEVICE="$DEVICE" "$PY" - <<'EOF' 2>&1 | tee "$OUT/device.txt"; then
 import os, sys, torch
-import triton
 if os.environ["GPU_CHECK_DEVICE"] == "cpu":
+    import triton
     print("device: CPU, a rehearsal (Triton's interpreter); torch %s, triton %s"
           % (torch.__version__, triton.__version__))
     sys.exit(0)
 if not torch.cuda.is_available():
     sys.exit("torch %s sees no CUDA device" % torch.__version__)
+import triton
 print("device: %s; torch %s, CUDA %s, triton %s" % (torch.cuda.get_device_name(0),
       torch.__version__, torch.version.cuda, triton.__version__))
 EOF
@@ -124,7 +135,6 @@ EOF
   export PYTHONPATH="$STUB:$PYTHONPATH"
   say "Horovod's import-only stand-in is on PYTHONPATH ($STUB)"
 fi
-triton_env
 
 # ------------------------------------------------------------------ 1. the CUDA tests
 XDIST=()
@@ -140,9 +150,7 @@ timeout "$LIMIT" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
   >"$OUT/tests.txt" 2>&1
 TESTS_RC=$?
 tail -n 25 "$OUT/tests.txt"
-TESTS_LINE=$(grep -E "passed|failed|error|skipped|deselected|no tests ran" "$OUT/tests.txt" | tail -n 1)
-[ "$TESTS_RC" = 124 ] && TESTS_LINE="timed out after $LIMIT s; $TESTS_LINE"
-row "CUDA tests" "${TESTS_LINE:-no result}" "$OUT/tests.txt"
+tests_row "CUDA tests" "$TESTS_RC" "$LIMIT" "$OUT/tests.txt"
 
 # ------------------------------------------------------------------ 2. the codec's speed
 BENCH=(--device cuda --sizes 1M,16M,64M,256M --model-values 25M --bucket-bytes 4M)
@@ -150,11 +158,10 @@ BENCH=(--device cuda --sizes 1M,16M,64M,256M --model-values 25M --bucket-bytes 4
                               --min-time 0 --min-rounds 1)
 LIMIT=$(cap 170 115)
 say "2. codec benchmark (Triton and compiled torch ops, against the probe; up to $LIMIT s)"
-timeout "$LIMIT" env "${TRITON_ENV[@]}" "$PY" scripts/gpu_codec_bench.py "${BENCH[@]}" \
+with_triton "$LIMIT" "$PY" scripts/gpu_codec_bench.py "${BENCH[@]}" \
   --json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
 BENCH_RC=$?
 tail -n 40 "$OUT/bench.txt"
-rc_word() { case "$1" in 0) echo ok ;; 124) echo "timed out after $2 s" ;; *) echo "failed ($1)" ;; esac; }
 row "codec benchmark" "$(rc_word $BENCH_RC $LIMIT), $(grep -c '^| ' "$OUT/bench.txt") rows" \
   "$OUT/bench.txt, bench.json"
 
@@ -166,7 +173,7 @@ LIMIT=$(cap 150 75)
 say "3. advise calibrate --device $DEVICE (the Triton kernels; up to $LIMIT s)"
 PROFILE="$OUT/gpu-triton.json"
 rm -f "$PROFILE"
-timeout "$LIMIT" env "${TRITON_ENV[@]}" "$PY" -m horovod_twobit.advise calibrate "${CAL[@]}" \
+with_triton "$LIMIT" "$PY" -m horovod_twobit.advise calibrate "${CAL[@]}" \
   --name gpu-triton --out "$PROFILE" >"$OUT/calibrate.txt" 2>&1
 CAL_RC=$?
 tail -n 20 "$OUT/calibrate.txt"
@@ -193,9 +200,7 @@ timeout "$LIMIT" "$PY" -m pytest -q -p no:cacheprovider -k cuda tests/test_ddp.p
   >"$OUT/ddp.txt" 2>&1
 DDP_RC=$?
 tail -n 15 "$OUT/ddp.txt"
-DDP_LINE=$(grep -E "passed|failed|error|skipped|deselected|no tests ran" "$OUT/ddp.txt" | tail -n 1)
-[ "$DDP_RC" = 124 ] && DDP_LINE="timed out after $LIMIT s; $DDP_LINE"
-row "DDP hook on the GPU" "${DDP_LINE:-no result}" "$OUT/ddp.txt"
+tests_row "DDP hook on the GPU" "$DDP_RC" "$LIMIT" "$OUT/ddp.txt"
 
 # ------------------------------------------------------------------ one table
 echo
