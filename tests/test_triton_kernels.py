@@ -132,18 +132,30 @@ print(compiled.triton_path(torch.device("cpu")) is not None, cuda is not None,
 """
 
 
+# what stands in for Triton: none at all, or one older than the kernels compile with
+HIDE = {"none": "import sys; sys.modules['triton'] = None\n",
+        "old": "import sys, types; sys.modules['triton'] = types.ModuleType('triton'); "
+               "sys.modules['triton'].__version__ = '3.3.1'\n"}
+
+
 @pytest.mark.parametrize("setting,hide,want", [
-    (None, False, "False True True 0"),  # CPU tensors: the torch path; CUDA: the kernels
-    ("0", False, "False False False 0"),  # switched off: Triton never imported
-    (None, True, "False False False 1"),  # no Triton: the torch path, one warning
+    (None, None, "False True True 0"),  # CPU tensors: the torch path; CUDA: the kernels
+    ("0", None, "False False False 0"),  # switched off: Triton never imported
+    (None, "none", "False False False 1"),  # no Triton: the torch path, one warning
+    (None, "old", "False False True 1"),  # Triton 3.3: the torch path, one warning
 ])
 def test_dispatch(setting, hide, want):
     """Where the Triton kernels run: CUDA tensors, unless HOROVOD_TWOBIT_TRITON=0 or Triton does
-    not import (a warning, then the compiled torch ops); never CPU tensors but when forced. The
-    codec imports and runs on a CPU without Triton."""
+    not import or is older than 3.4 (a warning, then the compiled torch ops); never CPU tensors
+    but when forced. The codec imports and runs on a CPU without Triton."""
     if not HAVE_TRITON and not hide:
         pytest.skip("Triton is not installed")
-    code = ("import sys; sys.modules['triton'] = None\n" if hide else "") + PROBE
+    code = HIDE.get(hide, "") + PROBE
+    if hide == "old":  # the warning names the fix, and the kernels' module was never imported
+        code += ("assert \"pip install 'triton>=3.4'\" in str(w[0].message), w[0].message\n"
+                 "assert 'horovod_twobit.torch.codec.triton_kernels' not in sys.modules\n"
+                 "print('ok')\n")
+        want = "%s\nok" % want
     env = worker_env({"HOROVOD_TWOBIT_COMPILE": "0"})
     env.pop("HOROVOD_TWOBIT_TRITON", None)
     if setting is not None:
@@ -151,7 +163,16 @@ def test_dispatch(setting, hide, want):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("\n")[-2] == want
+    assert out.stdout.rstrip("\n").endswith(want), out.stdout
+
+
+def test_triton_versions_the_kernels_take():
+    from horovod_twobit.torch.codec import compiled
+    assert compiled.TRITON_MIN == (3, 4)
+    for v in ("3.4.0", "3.6.0", "3.7.1", "3.10.0", "4.0.0", "3.5.0+git8b1e2f3"):
+        assert compiled.triton_supported(v), v
+    for v in ("3.3.1", "3.0.0", "2.3.1", "", "unknown"):
+        assert not compiled.triton_supported(v), v
 
 
 COMPILER = os.path.join(HERE, "workers", "triton_compile.py")

@@ -230,7 +230,9 @@ CASES = {
     "nonfinite": lambda: [allgather_case(BUCKET, t, 3, faults=FAULTS, into=into, block=b,
                                          blocks=bs) for t, into, b, bs in
                           [(0.5, False, None, None), ("auto", True, 256, 4)]]
-                         + [allgather_case([1000], 0.5, 2, faults=((0, 1, 0, -INF),))],
+                         + [allgather_case([1000], t, 2, faults=((0, 1, 0, -INF),), block=b,
+                                           blocks=bs) for t, b, bs in [(0.5, None, None),
+                                                                       ("auto", 256, 4)]],
     # (1 + 2^-7 + 2^-8: its multiples / 2 * 0.5 lie half-way between two bfloat16 values, so
     # the rounding's ties show)
     "half": lambda: [allgather_case(BUCKET, t, 2, dtype=d, scale=0.5, steps=1 + (t != "auto"),

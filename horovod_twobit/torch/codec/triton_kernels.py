@@ -240,7 +240,13 @@ def _chunk_counts(r_ptr, g_ptr, stash_ptr, head_ptr, mow_ptr, start, length, mea
             reached += (ax >= _rounded_by(tj, factor, HAS_FACTOR)).to(tl.int32)
         byte = tl.where(m, reached + tl.where(x > 0, 16, 0), 0)
         tl.store(stash_ptr + start + i, byte.to(tl.uint8), mask=m)
-        _flag_words(head_ptr, (start + i) // 16, ((x - x) != 0) & m, mow_ptr, BUCKET)
+        # the flags a lane at a time: its ROWS values lie in one word (the chunk starts at a
+        # whole word, ROWS divides 16), reduced within the thread. Value by value, the atomics'
+        # operands took a layout of their own, a conversion through shared memory with barriers
+        # in every pass of the loop (Triton 3.5 and 3.6)
+        bad = tl.max(((x - x) != 0).to(tl.int32), axis=0) > 0  # 0.0 past the chunk
+        _flag_words(head_ptr, (start + off + tl.arange(0, LANES) * ROWS) // 16, bad, mow_ptr,
+                    BUCKET)
     return cacc, tacc
 
 
@@ -256,6 +262,7 @@ def _counts_kernel(r_ptr, g_ptr, ch_ptr, part_ptr, mult_ptr, cnt_ptr, tot_ptr,
     r and g where the chunk is whole words): each candidate's count and sum over a lane go into
     that candidate's row of a (16, LANES) accumulator, within the thread (no shuffle, no
     barrier); the lanes are summed once, at the end of the chunk."""
+    tl.static_assert(16 % ROWS == 0, "a lane's ROWS values must lie in one word")
     c = tl.program_id(0)
     start = tl.multiple_of(tl.load(ch_ptr + c * 5), 16)  # chunks start at whole words
     length = tl.load(ch_ptr + c * 5 + 1)
