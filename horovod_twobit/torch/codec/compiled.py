@@ -113,31 +113,6 @@ TRITON = os.environ.get("HOROVOD_TWOBIT_TRITON", "1")
 _triton = []
 
 
-def triton_path(device):
-    """The :mod:`.triton_kernels` module where it runs the passes for tensors on ``device``, else
-    None. Imported on first use only, so the codec needs no Triton where it never runs them."""
-    if TRITON == "0" or (device.type != "cuda" and TRITON != "force"):
-        return None
-    if not _triton:
-        try:
-            import triton
-            if not triton_supported(getattr(triton, "__version__", "")):
-                warnings.warn("horovod-twobit: Triton %s is older than %d.%d, the oldest the "
-                              "codec's kernels compile with (torch 2.8 and later ship one); the "
-                              "codec runs its compiled torch ops on %s. Upgrade torch, or pip "
-                              "install 'triton>=%d.%d'" % ((triton.__version__,) + TRITON_MIN
-                                                          + (device.type,) + TRITON_MIN))
-                triton_kernels = None
-            else:
-                from horovod_twobit.torch.codec import triton_kernels
-        except ImportError as e:  # a torch built without Triton: the compiled bodies
-            warnings.warn("horovod-twobit: Triton does not import (%s); the codec runs its "
-                          "compiled torch ops on %s" % (e, device.type))
-            triton_kernels = None
-        _triton.append(triton_kernels)
-    return _triton[0]
-
-
 # The oldest Triton the kernels compile with: 3.3 cannot index a tuple of constexprs inside a
 # kernel; 3.4, 3.5, 3.6 and 3.7 give the reference's bits through the interpreter and compile
 # for sm_80 and sm_90 (docs/codec_speed.md, "Triton versions")
@@ -148,3 +123,30 @@ def triton_supported(version):
     """Whether Triton ``version`` (e.g. "3.6.0", "3.4.0+git1234") runs the codec's kernels."""
     m = re.match(r"(\d+)\.(\d+)", version or "")
     return m is not None and (int(m.group(1)), int(m.group(2))) >= TRITON_MIN
+
+
+def triton_path(device):
+    """The :mod:`.triton_kernels` module where it runs the passes for tensors on ``device``, else
+    None. Imported on first use only, so the codec needs no Triton where it never runs them."""
+    if TRITON == "0" or (device.type != "cuda" and TRITON != "force"):
+        return None
+    if not _triton:
+        try:
+            import triton
+            version = getattr(triton, "__version__", "")
+            if not triton_supported(version):
+                least = "%d.%d" % TRITON_MIN
+                warnings.warn("horovod-twobit: Triton %s is older than %s, the oldest the codec's "
+                              "kernels compile with (torch 2.8 and later ship one); the codec "
+                              "runs its compiled torch ops on %s. Upgrade torch, or pip install "
+                              "'triton>=%s'" % (version, least, device.type, least))
+                triton_kernels = None
+            else:
+                from horovod_twobit.torch.codec import triton_kernels
+        except ImportError as e:  # a torch built without Triton: the compiled bodies
+            warnings.warn("horovod-twobit: Triton does not import (%s); the codec runs its "
+                          "compiled torch ops on %s" % (e, device.type))
+            triton_kernels = None
+        _triton.append(triton_kernels)
+    return _triton[0]
+
