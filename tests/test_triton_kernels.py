@@ -197,8 +197,8 @@ def test_kernels_compile_for_gpus(compiled_for_gpus):
     """Every kernel the cases launch compiles for both architectures, with no FMA contraction,
     no approximate float32 division (the finish's / divisor is div.rn.f32), no spilled
     registers, no barrier inside a loop (the "auto" count pass had 56 a tile), and vector loads
-    where a bucket's values come in whole words; the flagged-member and bfloat16 finishes among
-    them."""
+    in the encode and the finish, for buckets and for lone tensors of any size; the
+    flagged-member and bfloat16 finishes among them."""
     errors = [r for r in compiled_for_gpus if "error" in r]
     assert not errors, errors[0]["error"]
     rows = [r for r in compiled_for_gpus if r["module"] == "horovod_twobit.torch.codec.triton_kernels"]
@@ -217,9 +217,15 @@ def test_kernels_compile_for_gpus(compiled_for_gpus):
         assert r["loop_bar_sync"] == 0, what  # no block-wide reduction inside a loop
     decodes = [r["constexprs"] for r in rows if r["kernel"] == "_decode_kernel"]
     assert any(c.get("CHECK_BAD") for c in decodes) and any(c.get("BF16") for c in decodes)
-    whole = [r for r in rows if r["kernel"] == "_encode_kernel" and r["constexprs"]["BUCKET"]
-             and r["pointers"]["g_ptr"] == "*fp32"]
-    assert whole and all(r["ld_global_v4"] > 0 for r in whole)
+    # the encode and the finish read r and g in vectors, lone tensors of any size included (all
+    # but a tensor's last program; the cases' lone tensors are not multiples of 16), but a
+    # tensor of one value (its size a constant)
+    for name, n in (("_encode_kernel", "n"), ("_decode_kernel", "nvalues")):
+        whole = [r for r in rows if r["kernel"] == name and r["pointers"]["g_ptr"] == "*fp32"
+                 and r["constexprs"].get("COMMIT", True) and n not in r["constexprs"]]
+        assert whole and all(r["ld_global_v4"] > 0 for r in whole), (name, whole)
+    assert any(not r["constexprs"]["BUCKET"] and "n" not in r["constexprs"] for r in rows
+               if r["kernel"] == "_encode_kernel")  # a lone tensor's encode among them
     # "auto": a chunk of whole words reads r and g in vectors, one that ends inside a word
     # value by value (its masks differ within a vector), and the pack a word's 16 bytes at once
     for name in ("_abs_sums_kernel", "_counts_kernel"):

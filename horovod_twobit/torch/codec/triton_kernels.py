@@ -5,7 +5,9 @@ and device), no host synchronisation. :mod:`horovod_twobit.torch.codec` dispatch
 
 - :func:`encode_payload`, fixed threshold: one pass reads r and g, writes the packed words and
   ORs the NaN/Inf flags (header word 1, each member's flag byte) into the payload with atomics,
-  only in words that held NaN or Inf.
+  only in words that held NaN or Inf. It reads r and g in vectors, and so does the finish: a
+  bucket's values come in whole words, and a tensor alone of any other size takes a path whose
+  masks are constants in every program but its last (``SPLIT``).
 - :func:`encode_payload`, ``"auto"`` (rule ``lsq``): each segment (a member's block) is cut into
   chunks of :data:`CHUNK` values, one program each. Pass 1 sums |r + g| per chunk (float64). Pass
   2 takes its segment's mean from those sums, counts and sums (float64) |r + g| at or above every
@@ -157,6 +159,17 @@ def _whole_words(length):
 
 
 @triton.jit
+def _masks(idx, n, w, nwords, BW: tl.constexpr, FULL: tl.constexpr):
+    """The masks of a (BW, 16) tile's values ``idx`` (< ``n``) and of its words ``w`` (<
+    ``nwords``); all true where FULL (the tile lies within both), so that the compiler reads and
+    writes the tile in vectors whatever ``n`` is. (With :func:`_whole_words` of ``n`` as the
+    bound it did so in the encode, not in the finish.)"""
+    if FULL:
+        return tl.full([BW, 16], 1, tl.int1), tl.full([BW], 1, tl.int1)
+    return idx < n, w < nwords
+
+
+@triton.jit
 def _segment_mean(part_ptr, first, count, nseg, P: tl.constexpr):
     """The float64 mean of |r + g| over a segment: its chunks' sums, ``P`` at a time (lane j
     adds chunks j, j + P, ... in order, then the lanes are summed), / its length."""
@@ -171,13 +184,29 @@ def _segment_mean(part_ptr, first, count, nseg, P: tl.constexpr):
 
 @triton.jit
 def _encode_kernel(r_ptr, g_ptr, words_ptr, head_ptr, t_ptr, mow_ptr, n, nwords,
-                   PER_WORD: tl.constexpr, BUCKET: tl.constexpr, BW: tl.constexpr):
-    """Packed words of ternary(r + g) for BW words, and their NaN/Inf flags."""
-    w = tl.program_id(0).to(tl.int64) * BW + tl.arange(0, BW)
+                   PER_WORD: tl.constexpr, BUCKET: tl.constexpr, SPLIT: tl.constexpr,
+                   BW: tl.constexpr):
+    """Packed words of ternary(r + g) for BW words, and their NaN/Inf flags. SPLIT (``n`` not a
+    multiple of 16: a lone tensor's): a program whose words all lie within the ``n`` values
+    reads them in vectors, the last one value by value."""
+    pid = tl.program_id(0).to(tl.int64)
+    w = pid * BW + tl.arange(0, BW)
+    if SPLIT and (pid + 1) * (BW * 16) <= n:
+        _encode_words(r_ptr, g_ptr, words_ptr, head_ptr, t_ptr, mow_ptr, w, n, nwords,
+                      PER_WORD, BUCKET, BW, True)
+    else:
+        _encode_words(r_ptr, g_ptr, words_ptr, head_ptr, t_ptr, mow_ptr, w, n, nwords,
+                      PER_WORD, BUCKET, BW, False)
+
+
+@triton.jit
+def _encode_words(r_ptr, g_ptr, words_ptr, head_ptr, t_ptr, mow_ptr, w, n, nwords,
+                  PER_WORD: tl.constexpr, BUCKET: tl.constexpr, BW: tl.constexpr,
+                  FULL: tl.constexpr):
+    """:func:`_encode_kernel`'s words ``w`` of the ``n`` values (FULL: all of them within)."""
     idx = w[:, None] * 16 + tl.arange(0, 16)[None, :]
-    m = idx < n
+    m, wm = _masks(idx, n, w, nwords, BW, FULL)
     x = tl.load(r_ptr + idx, mask=m, other=0.0) + tl.load(g_ptr + idx, mask=m, other=0.0).to(tl.float32)
-    wm = w < nwords
     if PER_WORD:
         t = tl.load(t_ptr + w, mask=wm, other=1.0)[:, None]
     else:
@@ -363,18 +392,41 @@ def _decode_kernel(rows_ptr, nranks, row_stride, body_off, lvl_off, lvl_idx_ptr,
                    mow_ptr, bad_ptr, mend_ptr,
                    LEVELS: tl.constexpr, COMMIT: tl.constexpr, OWN_PER_WORD: tl.constexpr,
                    DIVIDE: tl.constexpr, CHECK_BAD: tl.constexpr, BF16: tl.constexpr,
-                   BW: tl.constexpr):
+                   SPLIT: tl.constexpr, BW: tl.constexpr):
     """The decode-sum of ``nranks`` payload rows (row i's word w at rows[i * row_stride +
     body_off + w]) in rank order, each rank's level from its own row: LEVELS 0, the float32 at
     word ``lvl_off`` (a threshold); 1, at word ``lvl_off + lvl_idx[w]`` (a segment's or piece's
     magnitude); 2, 1.0 (counts). Then / divisor (correctly rounded) * scale where DIVIDE, into
     ``dest`` (its dtype). With COMMIT, first r <- (r + g) - q with this rank's (t, v). With
     CHECK_BAD, members flagged in ``bad`` get NaN over their values (their padding is left) and
-    keep their residual. BF16: ``dest`` is a bfloat16 tensor seen as int16 (:func:`_bf16_bits`)."""
-    w = tl.program_id(0).to(tl.int64) * BW + tl.arange(0, BW)
-    wm = w < nwords
+    keep their residual. BF16: ``dest`` is a bfloat16 tensor seen as int16 (:func:`_bf16_bits`).
+    SPLIT as in :func:`_encode_kernel` (``nvalues`` not a multiple of 16): a program whose
+    words all lie within the values reads and writes them in vectors."""
+    pid = tl.program_id(0).to(tl.int64)
+    w = pid * BW + tl.arange(0, BW)
+    if SPLIT and (pid + 1) * (BW * 16) <= nvalues:
+        _decode_words(rows_ptr, nranks, row_stride, body_off, lvl_off, lvl_idx_ptr, w,
+                      nvalues, nwords, r_ptr, g_ptr, t_ptr, v_ptr, div_ptr, scale_ptr, dest_ptr,
+                      mow_ptr, bad_ptr, mend_ptr, LEVELS, COMMIT, OWN_PER_WORD, DIVIDE,
+                      CHECK_BAD, BF16, BW, True)
+    else:
+        _decode_words(rows_ptr, nranks, row_stride, body_off, lvl_off, lvl_idx_ptr, w, nvalues,
+                      nwords, r_ptr, g_ptr, t_ptr, v_ptr, div_ptr, scale_ptr, dest_ptr,
+                      mow_ptr, bad_ptr, mend_ptr, LEVELS, COMMIT, OWN_PER_WORD, DIVIDE,
+                      CHECK_BAD, BF16, BW, False)
+
+
+@triton.jit
+def _decode_words(rows_ptr, nranks, row_stride, body_off, lvl_off, lvl_idx_ptr, w, nvalues,
+                  nwords, r_ptr, g_ptr, t_ptr, v_ptr, div_ptr, scale_ptr, dest_ptr,
+                  mow_ptr, bad_ptr, mend_ptr,
+                  LEVELS: tl.constexpr, COMMIT: tl.constexpr, OWN_PER_WORD: tl.constexpr,
+                  DIVIDE: tl.constexpr, CHECK_BAD: tl.constexpr, BF16: tl.constexpr,
+                  BW: tl.constexpr, FULL: tl.constexpr):
+    """:func:`_decode_kernel`'s words ``w`` of the ``nvalues`` values (FULL: all of them
+    within)."""
     idx = w[:, None] * 16 + tl.arange(0, 16)[None, :]
-    m = idx < nvalues
+    m, wm = _masks(idx, nvalues, w, nwords, BW, FULL)
     sh = _shifts()[None, :]
     if LEVELS == 1:
         li = tl.load(lvl_idx_ptr + w, mask=wm, other=0)
@@ -516,7 +568,8 @@ def pack(r, g, threshold, words, head, member_of_word=None):
     per_word = t.dim() > 0
     _encode_kernel[_grid(nwords)](
         r, g, words, head, t, member_of_word if member_of_word is not None else words, n, nwords,
-        PER_WORD=per_word, BUCKET=member_of_word is not None, BW=BLOCK_WORDS, **_launch_options())
+        PER_WORD=per_word, BUCKET=member_of_word is not None, SPLIT=n % 16 != 0, BW=BLOCK_WORDS,
+        **_launch_options())
 
 
 def encode_payload(layout, on, r, g, threshold, rule, payload, segment_levels):
@@ -604,7 +657,7 @@ def finish_payload(layout, on, gathered, nranks, bad, r, g, t, v, divisor, scale
         r, g, t, v, _f32(divisor, dev), _f32(scale, dev), dest.view(torch.int16) if bf16 else dest,
         tab.member_of_word, flags, tab.member_end,
         LEVELS=levels, COMMIT=True, OWN_PER_WORD=t.dim() > 0 or v.dim() > 0, DIVIDE=True,
-        CHECK_BAD=check, BF16=bf16, BW=BLOCK_WORDS, **_launch_options())
+        CHECK_BAD=check, BF16=bf16, SPLIT=n % 16 != 0, BW=BLOCK_WORDS, **_launch_options())
     return dest
 
 
@@ -621,5 +674,5 @@ def decode_rows(received, nranks, row_stride, body_off, nwords, out, lvl_off=Non
         received if lvl_idx is None else lvl_idx, 16 * nwords, nwords,
         dummy, dummy, dummy, dummy, dummy, dummy, out, received, received, received,
         LEVELS=2 if lvl_off is None else 1, COMMIT=False, OWN_PER_WORD=False, DIVIDE=False,
-        CHECK_BAD=False, BF16=False, BW=BLOCK_WORDS, **_launch_options())
+        CHECK_BAD=False, BF16=False, SPLIT=False, BW=BLOCK_WORDS, **_launch_options())
     return out
