@@ -10,8 +10,10 @@
 #    the NumPy reference and the compiled torch ops, and the existing CUDA tests, which now run
 #    on the Triton kernels);
 # 2. scripts/gpu_codec_bench.py: encode, finish (2 and 8 ranks), the scatter owner's reduce, at
-#    1 M / 16 M / 64 M / 256 M values, fixed and "auto", Triton and the compiled torch ops,
-#    against the same run's probe; one step's codec for a 25 M-value model in 4 MiB buckets;
+#    1 M / 16 M / 64 M / 256 M values, and 16 M + 8 last (a tensor alone whose size is not a
+#    multiple of 16: every program but its last on the vector path), fixed and "auto", Triton
+#    and the compiled torch ops, against the same run's probe; one step's codec for a 25 M-value
+#    model in 4 MiB buckets;
 # 3. `python -m horovod_twobit.advise calibrate --device cuda` into a profile of this GPU with
 #    the Triton kernels, and the advisor's ResNet-50 projection (64 workers, 25 Gbit/s) and
 #    worker counts 8-1024 with it and with the shipped h200 profile (before);
@@ -153,7 +155,7 @@ tail -n 25 "$OUT/tests.txt"
 tests_row "CUDA tests" "$TESTS_RC" "$LIMIT" "$OUT/tests.txt"
 
 # ------------------------------------------------------------------ 2. the codec's speed
-BENCH=(--device cuda --sizes 1M,16M,64M,256M --model-values 25M --bucket-bytes 4M)
+BENCH=(--device cuda --sizes 1M,16M,64M,256M,16777224 --model-values 25M --bucket-bytes 4M)
 [ "$DEVICE" = cpu ] && BENCH=(--device cpu --sizes 1K --model-values 6K --bucket-bytes 8K
                               --min-time 0 --min-rounds 1)
 LIMIT=$(cap 170 115)
