@@ -234,12 +234,15 @@ CASES = {
                                            blocks=bs) for t, b, bs in [(0.5, None, None),
                                                                        ("auto", 256, 4)]],
     # (1 + 2^-7 + 2^-8: its multiples / 2 * 0.5 lie half-way between two bfloat16 values, so
-    # the rounding's ties show)
+    # the rounding's ties show); and a tensor alone of a size not a multiple of 16, over several
+    # programs (the vector path in all but the last)
     "half": lambda: [allgather_case(BUCKET, t, 2, dtype=d, scale=0.5, steps=1 + (t != "auto"),
                                     block=b, blocks=bs)
                      for t, b, bs in [(0.05, None, None), (1.01171875, None, None),
                                       ("auto", 256, 4)]
-                     for d in ("float16", "bfloat16")],
+                     for d in ("float16", "bfloat16")]
+                    + [allgather_case([4099], 0.05, 2, dtype=d, scale=0.5, into=into)
+                       for d, into in (("float16", True), ("bfloat16", False))],
     # "auto", lsq in the kernels: one block, blocks of a member, segments cut into several chunks
     "auto_single": lambda: [allgather_case([n], "auto", N, block=b, blocks=bs, op=op, scale=sc)
                             for n, N, b, bs, op, sc in [(1, 1, None, None, "average", 1.0),
