@@ -39,6 +39,10 @@ TF_VERSION=2.15.1
 # Inductor would import it in every process that compiles, and Triton's LLVM beside TensorFlow's
 # custom ops crashes such a process at exit (SIGSEGV after its last test).
 TRITON_VERSION=3.7.1
+# and the oldest Triton the kernels support (horovod_twobit.torch.codec.compiled.TRITON_MIN, the
+# one torch 2.8 pins), for the test that compiles them for GPUs with both: 155 MB (540 MB
+# installed) and about 3 s more, in $VENV/triton-min-site
+TRITON_MIN_VERSION=3.4.0
 APT_PACKAGES=(libopenmpi-dev openmpi-bin cmake g++ make openssh-client openssh-server iproute2)
 # setuptools < 81: TensorBoard 2.15 (the stats example, its test) imports pkg_resources, gone in 81
 PY_PACKAGES=("torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" "numpy<2"
@@ -58,7 +62,8 @@ ready_key() {
     printf '%s\n' "$REPO" "$VENV" "$CACHE" "$PYTHON" "${HOROVOD_TWOBIT_TORCH_INDEX:-}" \
       "${HOROVOD_TWOBIT_SKIP_PACKAGE:-}"
     dpkg-query -W -f='${Version}\n' libopenmpi-dev 2>/dev/null || true
-    ls -1a "$VENV"/lib/python*/site-packages "$VENV/triton-site" 2>/dev/null || true
+    ls -1a "$VENV"/lib/python*/site-packages "$VENV/triton-site" "$VENV/triton-min-site" \
+      2>/dev/null || true
   } | sha256sum | cut -d' ' -f1
 }
 if [ "${1:-}" = --ready-key ]; then ready_key; exit 0; fi  # what the check compares (the tests')
@@ -116,14 +121,16 @@ run "${PIP[@]}" "${PY_PACKAGES[@]}" \
 if "$PY" -m pip show triton >/dev/null 2>&1; then  # an earlier setup put it in the venv itself
   run "$PY" -m pip uninstall -y triton || fail "pip uninstall triton" "remove triton from $VENV by hand"
 fi
-TRITON_SITE="$VENV/triton-site"
-if [ ! -f "$TRITON_SITE/triton-$TRITON_VERSION.installed" ]; then
-  stage "installing triton $TRITON_VERSION into $TRITON_SITE (for the interpreter tests only)"
-  rm -rf "$TRITON_SITE"
-  run "${PIP[@]}" --no-deps --target "$TRITON_SITE" "triton==$TRITON_VERSION" \
-    || fail "pip install triton==$TRITON_VERSION" "read $LOG; pip's index must serve it"
-  touch "$TRITON_SITE/triton-$TRITON_VERSION.installed"
-fi
+triton_into() {  # triton_into DIR VERSION WHAT: Triton VERSION alone in DIR, once
+  [ ! -f "$1/triton-$2.installed" ] || return 0
+  stage "installing triton $2 into $1 ($3)"
+  rm -rf "$1"
+  run "${PIP[@]}" --no-deps --target "$1" "triton==$2" \
+    || fail "pip install triton==$2" "read $LOG; pip's index must serve it"
+  touch "$1/triton-$2.installed"
+}
+triton_into "$VENV/triton-site" "$TRITON_VERSION" "for the interpreter tests only"
+triton_into "$VENV/triton-min-site" "$TRITON_MIN_VERSION" "the oldest supported, compile test only"
 py_v=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 ompi_v=$(dpkg-query -W -f='${Version}' libopenmpi-dev 2>/dev/null || echo unknown)
 if ! "$PY" -c 'import mpi4py' >/dev/null 2>&1; then

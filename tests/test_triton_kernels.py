@@ -25,11 +25,15 @@ HAVE_TRITON = (importlib.util.find_spec("triton") is not None
                or os.path.isdir(os.path.join(TRITON_SITE, "triton")))
 
 
-def worker_env(env=None):
-    """The environment of a worker: Triton's directory on its path."""
+# the oldest Triton the kernels support (compiled.TRITON_MIN), for their compile test alone
+TRITON_MIN_SITE = os.path.join(sys.prefix, "triton-min-site")
+
+
+def worker_env(env=None, site=TRITON_SITE):
+    """The environment of a worker: Triton's directory (``site``) on its path."""
     out = dict(os.environ, **(env or {}))
-    if os.path.isdir(TRITON_SITE):
-        out["PYTHONPATH"] = os.pathsep.join(p for p in (TRITON_SITE, out.get("PYTHONPATH")) if p)
+    if os.path.isdir(site):
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (site, out.get("PYTHONPATH")) if p)
     return out
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed (scripts/setup.sh "
                                   "installs the version matching torch)")
@@ -182,26 +186,55 @@ COMPILER = os.path.join(HERE, "workers", "triton_compile.py")
 def compiled_for_gpus():
     """What Triton's NVIDIA back-end makes of every kernel specialization the interpreter cases
     launch, for sm_90 (H100, H200) and sm_80 (A100), without a GPU: one row per (kernel,
-    specialization, architecture)."""
-    env = worker_env({"HOROVOD_TWOBIT_COMPILE": "0", "PYTHONWARNINGS": "ignore"})
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-O", COMPILER, "--arch", "90,80"], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=HERE)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and rows, "rc %d:\n%s" % (proc.returncode, proc.stderr[-3000:])
-    return rows
+    specialization, architecture), for the Triton of torch 2.13 (``"current"``) and the oldest
+    the kernels support (``"oldest"``, in its own directory), compiled at once (one core each)."""
+    from horovod_twobit.torch.codec import compiled
+    if not os.path.isdir(os.path.join(TRITON_MIN_SITE, "triton")):
+        pytest.fail("no Triton %d.%d in %s: scripts/setup.sh installs it there, run it"
+                    % (compiled.TRITON_MIN + (TRITON_MIN_SITE,)))
+    procs = {}
+    for which, site in (("current", TRITON_SITE), ("oldest", TRITON_MIN_SITE)):
+        env = worker_env({"HOROVOD_TWOBIT_COMPILE": "0", "PYTHONWARNINGS": "ignore"}, site)
+        env.pop("TRITON_INTERPRET", None)
+        procs[which] = subprocess.Popen([sys.executable, "-O", COMPILER, "--arch", "90,80"],
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, cwd=HERE)
+    out = {}
+    try:
+        for which, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=600)
+            rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+            out[which] = (proc.returncode, rows, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return out
 
 
 @needs_triton
-def test_kernels_compile_for_gpus(compiled_for_gpus):
+@pytest.mark.parametrize("which", ["current", "oldest"])
+def test_kernels_compile_for_gpus(compiled_for_gpus, which):
     """Every kernel the cases launch compiles for both architectures, with no FMA contraction,
     no approximate float32 division (the finish's / divisor is div.rn.f32), no spilled
     registers, no barrier inside a loop (the "auto" count pass had 56 a tile), and vector loads
     in the encode and the finish, for buckets and for lone tensors of any size; the
-    flagged-member and bfloat16 finishes among them."""
-    errors = [r for r in compiled_for_gpus if "error" in r]
+    flagged-member and bfloat16 finishes among them. With torch 2.13's Triton and with the
+    oldest the codec takes (compiled.TRITON_MIN: older ones fall back to the compiled torch
+    ops)."""
+    from horovod_twobit.torch.codec import compiled
+    rc, rows, stderr = compiled_for_gpus[which]
+    assert rc == 0 and rows, "rc %d:\n%s" % (rc, stderr[-3000:])
+    versions = {r["triton"] for r in rows if "triton" in r}
+    assert len(versions) == 1, versions
+    major_minor = tuple(int(x) for x in versions.pop().split(".")[:2])
+    if which == "oldest":
+        assert major_minor == compiled.TRITON_MIN
+    else:
+        assert major_minor > compiled.TRITON_MIN
+    errors = [r for r in rows if "error" in r]
     assert not errors, errors[0]["error"]
-    rows = [r for r in compiled_for_gpus if r["module"] == "horovod_twobit.torch.codec.triton_kernels"]
+    rows = [r for r in rows if r["module"] == "horovod_twobit.torch.codec.triton_kernels"]
     kernels = {(r["kernel"], r["arch"]) for r in rows}
     for name in ("_encode_kernel", "_abs_sums_kernel", "_counts_kernel", "_levels_kernel",
                  "_auto_pack_kernel", "_decode_kernel"):

@@ -12,12 +12,12 @@ back-end (LLVM, then the ``ptxas`` its wheel ships) for every target, and not la
 is computed, so the cases' comparisons are switched off here (their results are the interpreter
 test's and, on a GPU, ``test_cuda_kernels_match_reference``'s).
 
-It prints one JSON line per (kernel, specialization, target): the kernel, the architecture, its
-constexprs, the dtypes of its pointers, registers, spilled bytes (``ptxas``' local memory), shared
-memory, and the PTX's counts of the instructions that decide its bits and its speed: FMAs,
-float32 and float64 divisions by kind, vector loads, barriers (in all, and the most in one
-pass of a loop). A line ``{"error": ...}`` where a
-case or a compilation failed.
+It prints one JSON line per (kernel, specialization, target): the kernel, the architecture, the
+Triton version that compiled it, its constexprs, the dtypes of its pointers, registers, spilled
+bytes (``ptxas``' local memory), shared memory, and the PTX's counts of the instructions that
+decide its bits and its speed: FMAs, float32 and float64 divisions by kind, vector loads,
+barriers (in all, and the most in one pass of a loop). A line ``{"error": ...}`` where a case or
+a compilation failed.
 """
 
 import json
@@ -135,7 +135,8 @@ class Compiler:
         consts = {k: v for k, v in consts.items() if sig.get(k) == "constexpr"}
         opts = {k: compile[k] for k in ("num_warps", "num_ctas", "num_stages", "enable_fp_fusion")}
         for target in self.targets:
-            row = {"kernel": fn.name, "module": jf.module, "arch": target.arch, "constexprs": consts,
+            row = {"kernel": fn.name, "module": jf.module, "arch": target.arch,
+                   "triton": triton.__version__, "constexprs": consts,
                    "pointers": {k: v for k, v in sig.items() if v.startswith("*")},
                    "enable_fp_fusion": opts["enable_fp_fusion"], "num_warps": opts["num_warps"]}
             t0 = time.time()
