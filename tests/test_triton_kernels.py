@@ -52,25 +52,34 @@ def run_worker(cases, env=None, device=None, timeout=900):
     return run_workers([cases], env, device, timeout)
 
 
-def run_workers(groups, env=None, device=None, timeout=900):
-    """{case: row} of the JSON lines of one worker per group of cases, all running at once (the
-    interpreter keeps one core busy: two workers take half the time on two cores)."""
-    procs = [subprocess.Popen([sys.executable, WORKER] + (["--device", device] if device else [])
-                              + list(cases), env=worker_env(env), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=HERE) for cases in groups]
-    rows = {}
+def run_at_once(commands, timeout=900):
+    """``(returncode, JSON lines, stderr)`` of each ``(argv, env)`` of ``commands``, all running
+    at once in this directory (a worker keeps one core busy: two take half the time on two
+    cores); what still runs after a failure is killed."""
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=HERE) for argv, env in commands]
+    results = []
     try:
-        for cases, proc in zip(groups, procs):
+        for proc in procs:
             out, err = proc.communicate(timeout=timeout)
-            got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-            assert got, "the worker of %s printed no result (rc %d):\n%s" % (
-                cases, proc.returncode, err[-3000:])
-            rows.update((row["case"], row) for row in got)
+            rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            results.append((proc.returncode, rows, err))
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    return results
+
+
+def run_workers(groups, env=None, device=None, timeout=900):
+    """{case: row} of the JSON lines of one worker per group of cases, all running at once."""
+    results = run_at_once([([sys.executable, WORKER] + (["--device", device] if device else [])
+                            + list(cases), worker_env(env)) for cases in groups], timeout)
+    rows = {}
+    for cases, (rc, got, err) in zip(groups, results):
+        assert got, "the worker of %s printed no result (rc %d):\n%s" % (cases, rc, err[-3000:])
+        rows.update((row["case"], row) for row in got)
     return rows
 
 
@@ -188,28 +197,14 @@ def compiled_for_gpus():
     launch, for sm_90 (H100, H200) and sm_80 (A100), without a GPU: one row per (kernel,
     specialization, architecture), for the Triton of torch 2.13 (``"current"``) and the oldest
     the kernels support (``"oldest"``, in its own directory), compiled at once (one core each)."""
-    from horovod_twobit.torch.codec import compiled
-    if not os.path.isdir(os.path.join(TRITON_MIN_SITE, "triton")):
-        pytest.fail("no Triton %d.%d in %s: scripts/setup.sh installs it there, run it"
-                    % (compiled.TRITON_MIN + (TRITON_MIN_SITE,)))
-    procs = {}
-    for which, site in (("current", TRITON_SITE), ("oldest", TRITON_MIN_SITE)):
-        env = worker_env({"HOROVOD_TWOBIT_COMPILE": "0", "PYTHONWARNINGS": "ignore"}, site)
+    sites = {"current": TRITON_SITE, "oldest": TRITON_MIN_SITE}
+    sites = {k: v for k, v in sites.items() if k == "current" or os.path.isdir(v)}
+    envs = [worker_env({"HOROVOD_TWOBIT_COMPILE": "0", "PYTHONWARNINGS": "ignore"}, site)
+            for site in sites.values()]
+    for env in envs:
         env.pop("TRITON_INTERPRET", None)
-        procs[which] = subprocess.Popen([sys.executable, "-O", COMPILER, "--arch", "90,80"],
-                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, cwd=HERE)
-    out = {}
-    try:
-        for which, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=600)
-            rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-            out[which] = (proc.returncode, rows, stderr)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-    return out
+    return dict(zip(sites, run_at_once([([sys.executable, "-O", COMPILER, "--arch", "90,80"], env)
+                                        for env in envs], timeout=600)))
 
 
 @needs_triton
@@ -223,6 +218,9 @@ def test_kernels_compile_for_gpus(compiled_for_gpus, which):
     oldest the codec takes (compiled.TRITON_MIN: older ones fall back to the compiled torch
     ops)."""
     from horovod_twobit.torch.codec import compiled
+    if which not in compiled_for_gpus:
+        pytest.fail("no Triton %d.%d in %s: scripts/setup.sh installs it there, run it"
+                    % (compiled.TRITON_MIN + (TRITON_MIN_SITE,)))
     rc, rows, stderr = compiled_for_gpus[which]
     assert rc == 0 and rows, "rc %d:\n%s" % (rc, stderr[-3000:])
     versions = {r["triton"] for r in rows if "triton" in r}
